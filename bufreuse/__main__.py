@@ -1,0 +1,3 @@
+from bufreuse.cli import main
+
+main()

@@ -1,0 +1,3 @@
+"""bufreuse.analysis"""
+
+__all__: list[str] = []

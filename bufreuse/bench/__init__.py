@@ -1,0 +1,3 @@
+"""bufreuse.bench"""
+
+__all__: list[str] = []

@@ -1,0 +1,74 @@
+"""What every command shares: the error boundary, the debug switch and the consoles."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+import typer
+from rich.console import Console
+
+from bufreuse.errors import BufreuseError
+
+__all__ = ["CliState", "console", "err_console", "handle_errors", "is_debug"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class CliState:
+    debug: bool = False
+    """Show tracebacks instead of one-line errors (``--debug`` or ``BUFREUSE_CLI_DEBUG=1``)."""
+
+
+def is_debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    state = ctx.find_root().obj if ctx is not None else None
+    if isinstance(state, CliState) and state.debug:
+        return True
+    return os.environ.get("BUFREUSE_CLI_DEBUG", "") not in ("", "0")
+
+
+def handle_errors(fn: F) -> F:
+    """Turn library errors into one line on stderr and the error's exit code (no traceback).
+
+    ``BufreuseError`` subclasses choose the code (2 bad input, 1 failed check); anything
+    unexpected exits 1 with a hint to rerun with ``--debug``, which re-raises instead.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+            raise
+        except BufreuseError as e:
+            if is_debug():
+                raise
+            err_console.print(f"[bold red]error:[/] {_one_line(e)}", soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
+        except Exception as e:
+            if is_debug():
+                raise
+            err_console.print(
+                f"[bold red]internal error:[/] {type(e).__name__}: {_one_line(e)} "
+                "(rerun with --debug for the traceback)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -1,0 +1,11 @@
+"""`bufreuse` command module (sweep): being written; registers nothing yet."""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's command(s) to ``app``."""

@@ -1,0 +1,3 @@
+"""bufreuse.integrations"""
+
+__all__: list[str] = []

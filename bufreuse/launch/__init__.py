@@ -1,0 +1,3 @@
+"""bufreuse.launch"""
+
+__all__: list[str] = []

@@ -1,0 +1,180 @@
+"""The sweep directory: one folder per configuration, shared by every launcher and by ``compare``.
+
+Layout (``JobPaths``-style: this class owns every file name)::
+
+    <sweeps root>/<sweep name>/manifest.json        sweep parameters and configuration ids
+    <sweeps root>/<sweep name>/<config id>/config.json      what to run (plain JSON)
+                                          /metrics.json     written last, atomically: its presence
+                                                            means the configuration finished
+                                          /snapshot.pickle.gz
+                                          /log.txt
+                                          /job.json         launcher state (job id, node list, ...)
+
+The sweeps root is ``./bufreuse-sweeps`` unless ``--root`` or ``$BUFREUSE_SWEEPS`` says otherwise.
+``metrics.json["status"]`` is one of :data:`STATUSES`; ``ok`` is the only successful one.
+This module imports no torch: ``analysis`` and ``cli`` read sweeps without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bufreuse.errors import InputError
+from bufreuse.fsutil import atomic_write_json, read_json
+
+__all__ = [
+    "DEFAULT_SWEEPS_ROOT",
+    "STATUSES",
+    "SWEEPS_ENV",
+    "ConfigPaths",
+    "SweepDir",
+    "check_config_id",
+    "latest_sweep",
+    "sweeps_root",
+]
+
+SWEEPS_ENV = "BUFREUSE_SWEEPS"
+DEFAULT_SWEEPS_ROOT = Path("bufreuse-sweeps")
+STATUSES = ("ok", "failed", "hung", "timeout", "cancelled")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def sweeps_root(override: str | os.PathLike[str] | None = None) -> Path:
+    """The folder that holds sweeps: ``override``, else ``$BUFREUSE_SWEEPS``, else ``./bufreuse-sweeps``."""
+    if override:
+        return Path(override)
+    env = os.environ.get(SWEEPS_ENV)
+    return Path(env) if env else DEFAULT_SWEEPS_ROOT
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigPaths:
+    """Every file of one configuration's folder."""
+
+    folder: Path
+
+    @property
+    def config(self) -> Path:
+        return self.folder / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.folder / "metrics.json"
+
+    @property
+    def snapshot(self) -> Path:
+        return self.folder / "snapshot.pickle.gz"
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "log.txt"
+
+    @property
+    def job(self) -> Path:
+        return self.folder / "job.json"
+
+    @property
+    def config_id(self) -> str:
+        return self.folder.name
+
+    def read_metrics(self) -> dict[str, Any] | None:
+        """The finished run's metrics, or None if it has not finished (or the file is unreadable)."""
+        try:
+            data = read_json(self.metrics)
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("status") in STATUSES else None
+
+    def is_finished(self) -> bool:
+        return self.read_metrics() is not None
+
+    def is_ok(self) -> bool:
+        m = self.read_metrics()
+        return m is not None and m["status"] == "ok"
+
+
+class SweepDir:
+    """One sweep folder: a manifest plus one :class:`ConfigPaths` per configuration id."""
+
+    MANIFEST = "manifest.json"
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / self.MANIFEST
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file()
+
+    def read_manifest(self) -> dict[str, Any]:
+        try:
+            data = read_json(self.manifest_path)
+        except FileNotFoundError:
+            raise InputError(f"{self.folder}: not a sweep folder (no {self.MANIFEST})") from None
+        except (OSError, ValueError) as e:
+            raise InputError(f"{self.manifest_path}: unreadable manifest ({e})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
+            raise InputError(f"{self.manifest_path}: manifest has no 'configs' list")
+        return data
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        """Write the manifest atomically; stamps ``created_at`` on first write."""
+        manifest = dict(manifest)
+        manifest.setdefault("created_at", datetime.now(UTC).isoformat(timespec="seconds"))
+        for cid in manifest.get("configs", []):
+            check_config_id(cid)
+        atomic_write_json(self.manifest_path, manifest)
+
+    def config_ids(self) -> list[str]:
+        return [str(c) for c in self.read_manifest()["configs"]]
+
+    def paths(self, config_id: str) -> ConfigPaths:
+        return ConfigPaths(self.folder / check_config_id(config_id))
+
+    def write_config(self, config_id: str, config: dict[str, Any]) -> ConfigPaths:
+        p = self.paths(config_id)
+        atomic_write_json(p.config, config)
+        return p
+
+    def read_config(self, config_id: str) -> dict[str, Any]:
+        p = self.paths(config_id)
+        try:
+            return read_json(p.config)
+        except (OSError, ValueError) as e:
+            raise InputError(f"{p.config}: cannot read configuration ({e})") from None
+
+
+def check_config_id(config_id: str) -> str:
+    """Refuse ids that could escape the sweep folder or break shell quoting."""
+    if not _ID_RE.match(config_id):
+        raise InputError(f"configuration id {config_id!r} must match {_ID_RE.pattern}")
+    return config_id
+
+
+def latest_sweep(root: str | os.PathLike[str] | None = None) -> SweepDir:
+    """The sweep under ``root`` whose manifest was created last."""
+    base = sweeps_root(root)
+    best: tuple[str, SweepDir] | None = None
+    if base.is_dir():
+        for child in base.iterdir():
+            sweep = SweepDir(child)
+            if not sweep.exists():
+                continue
+            try:
+                created = str(json.loads(sweep.manifest_path.read_text()).get("created_at", ""))
+            except (OSError, ValueError):
+                continue
+            key = f"{created}|{child.name}"
+            if best is None or key > best[0]:
+                best = (key, sweep)
+    if best is None:
+        raise InputError(f"no sweep found under {base} (set --root or ${SWEEPS_ENV}, or run `bufreuse sweep`)")
+    return best[1]

@@ -1,0 +1,1 @@
+"""sbatch templates (Jinja2) shipped inside the wheel as ``bufreuse.slurm``."""
