@@ -1,11 +1,130 @@
-"""`bufreuse` command module (bench): being written; registers nothing yet."""
+"""`bufreuse bench ...`: microbenchmarks that print figures (not timed tests).
+
+``bench`` is a Typer sub-app; other modules add their own (``bench proxy``) with
+``bench_app.command(...)`` before ``register`` runs, or by importing ``bench_app``.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
 
-__all__ = ["register"]
+from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.errors import InputError
+
+__all__ = ["bench_app", "register"]
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Microbenchmarks that print figures (pool: CPU cost per acquire+release pair).",
+    no_args_is_help=True,
+)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to ``app``."""
+    """Add the ``bench`` sub-app to ``app``."""
+    app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("pool")
+@handle_errors
+def pool(
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
+    tokens: Annotated[int | None, typer.Option(min=1, help="Buffer rows (default 32768 on CUDA, 1024 on CPU).")] = None,
+    hidden: Annotated[
+        int | None, typer.Option(min=1, help="Buffer columns (default 4096 on CUDA, 1024 on CPU).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Element type (torch dtype name).")] = "bfloat16",
+    slots: Annotated[int, typer.Option(min=1, help="Ring slots.")] = 4,
+    iters: Annotated[int, typer.Option(min=1, help="Pairs per timed loop.")] = 20000,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved rounds per variant (median reported).")] = 5,
+    probe_external_events: Annotated[
+        bool,
+        typer.Option(
+            "--probe-external-events",
+            help="Also probe eager<->CUDA-graph event waits (plain vs external=True), each in a subprocess.",
+        ),
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
+    output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
+) -> None:
+    """CPU cost of acquire+release (ring, pool policies) vs torch.empty + record_stream + free, same shape."""
+    from bufreuse.bench.pool_bench import PoolBenchConfig, run_pool_bench
+    from bufreuse.bench.pool_bench import probe_external_events as probe
+
+    cfg = PoolBenchConfig(
+        device=device, tokens=tokens, hidden=hidden, dtype=dtype, slots=slots, iters=iters, repeats=repeats
+    )
+    if probe_external_events and (device or "cuda").startswith("cpu"):
+        raise InputError("--probe-external-events needs a CUDA device")
+    try:
+        with _progress("timing pairs") as tick:
+            result = run_pool_bench(cfg, progress=tick)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if probe_external_events:
+        if result["cpu_tensors"]:
+            raise InputError("--probe-external-events needs a CUDA device")
+        with _progress("probing events") as tick:
+            result["external_events"] = probe(progress=tick)
+    if output is not None:
+        from bufreuse.fsutil import atomic_write_json
+
+        atomic_write_json(output, result)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        _render(result)
+
+
+class _progress:
+    """A transient rich progress bar on stderr; yields ``tick(done, total)``."""
+
+    def __init__(self, label: str) -> None:
+        from rich.progress import Progress
+
+        self._bar = Progress(console=err_console, transient=True)
+        self._label = label
+        self._task: Any = None
+
+    def __enter__(self):
+        self._bar.start()
+        self._task = self._bar.add_task(self._label, total=None)
+
+        def tick(done: int, total: int) -> None:
+            self._bar.update(self._task, completed=done, total=total)
+
+        return tick
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.stop()
+
+
+def _render(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    env = result["env"]
+    where = env["gpu"] or f"CPU ({env['cpu']})"
+    title = f"acquire+release pair, {tuple(result['shape'])} {result['dtype']}, {where}, torch {env['torch']}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("variant")
+    table.add_column("µs / pair", justify="right")
+    table.add_column("vs baseline", justify="right")
+    table.add_column("min–max µs", justify="right")
+    for row in result["rows"]:
+        table.add_row(
+            row["name"], f"{row['us_per_pair']:.2f}", f"{row['ratio']:.2f}", f"{row['min_us']:.2f}–{row['max_us']:.2f}"
+        )
+    console.print(table)
+    if result["note"]:
+        console.print(f"[yellow]note:[/] {result['note']}")
+    verdict = "[green]meets[/]" if result["meets_target"] else "[red]misses[/]"
+    console.print(
+        f"pool ring / baseline = {result['pool_ratio']:.2f} (ring alone {result['ring_ratio']:.2f}); "
+        f"{verdict} the target ≤ {result['target_ratio']}"
+    )
+    for name, probe in (result.get("external_events") or {}).items():
+        console.print(f"  {name}: {probe['status']} — {probe['detail']}", soft_wrap=True)

@@ -1,11 +1,85 @@
-"""`bufreuse` command module (check_config): being written; registers nothing yet."""
+"""`bufreuse check-config FILE`: can buffer reuse be enabled with this Megatron config, and what it holds."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from bufreuse.cli._common import console, handle_errors
 
 __all__ = ["register"]
 
 
+@handle_errors
+def check_config(
+    file: Annotated[Path, typer.Argument(help="A Megatron YAML config or a file of command-line arguments.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the checklist.")] = False,
+    assume_enabled: Annotated[
+        bool, typer.Option("--assume-enabled", help="Check both buffers as if switched on (for a baseline config).")
+    ] = False,
+    seq_length: Annotated[
+        int | None, typer.Option(min=1, help="Tokens per sequence, if the file does not say (sizes the slots).")
+    ] = None,
+    micro_batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Micro-batch size, if the file does not say (sizes the slots).")
+    ] = None,
+) -> None:
+    """Check every requirement of the enabled buffers; exit 1 if the feature cannot be enabled, 2 on bad input."""
+    from bufreuse.integrations.check_file import check_file
+
+    report = check_file(file, assume_enabled=assume_enabled, seq_length=seq_length, micro_batch_size=micro_batch_size)
+    data = report.to_dict()
+    if not data["enabled"]:
+        data["ok"] = False
+        data["error"] = "no buffer is enabled (set moe_hybridep_reuse_dispatch_output_buffers or a nonzero " + (
+            "moe_hybridep_num_expert_output_buffers, or pass --assume-enabled)"
+        )
+    if json_out:
+        typer.echo(json.dumps(data))
+    else:
+        _render(file, data)
+    if not data["ok"]:
+        raise typer.Exit(1)
+
+
+def _render(file: Path, data: dict) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]{file}[/]: dispatch path [cyan]{data['path'] or 'unsupported'}[/], buffers {data['enabled']}")
+    if "error" in data:
+        console.print(f"[red]✗[/] {data['error']}")
+        return
+    table = Table(show_lines=False, pad_edge=False)
+    for col in ("", "buffer/policy", "requirement", "why it is needed / what to change"):
+        table.add_column(col, overflow="fold")
+    for r in data["requirements"]:
+        if r["ok"]:
+            table.add_row("[green]✓[/]", f"{r['buffer']}/{r['policy']}", r["text"], "")
+            continue
+        note = f" [dim]({r['note']})[/]" if r["note"] else ""
+        table.add_row("[red]✗[/]", f"{r['buffer']}/{r['policy']}", r["text"], f"{r['why']}{note}; [bold]{r['fix']}[/]")
+    console.print(table)
+    for buf, ring in data["rings"].items():
+        console.print(
+            f"{buf}: {ring['slots']} slot(s) x {ring['rows']} rows x {ring['hidden']} x {ring['element_size']} B = "
+            f"[bold]{_mib(ring['persistent_bytes'])}[/] persistent ({_mib(ring['slot_bytes'])} per slot; "
+            f"bound: {ring['bound_source']})"
+        )
+    verdict = (
+        "[green]can be enabled[/]"
+        if data["ok"]
+        else f"[red]cannot be enabled[/] ({sum(not r['ok'] for r in data['requirements'])} unmet)"
+    )
+    console.print(f"total persistent ring memory {_mib(data['persistent_bytes_total'])}; {verdict}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to ``app``."""
+    """Add ``check-config`` to ``app``."""
+    app.command("check-config")(check_config)

@@ -1,11 +1,78 @@
-"""`bufreuse` command module (compare): being written; registers nothing yet."""
+"""`bufreuse compare`: a baseline against one or more runs, side by side, with verdicts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from bufreuse.cli._common import console, handle_errors
 
 __all__ = ["register"]
 
 
+@handle_errors
+def compare(
+    runs: Annotated[
+        list[str],
+        typer.Argument(
+            help="Runs to compare, baseline first: labels of the latest sweep (control, feature, slots4, "
+            "stream-ordered), sweep or configuration folders, Megatron run folders or log files, snapshot files."
+        ),
+    ],
+    root: Annotated[
+        str | None, typer.Option(help="Sweeps root for labels (default $BUFREUSE_SWEEPS or ./bufreuse-sweeps).")
+    ] = None,
+    warmup: Annotated[int, typer.Option(min=0, help="Logged iterations to skip at the start of a Megatron log.")] = 3,
+    throughput_band: Annotated[
+        float, typer.Option(min=0, help="Parity band for throughput and step time, percent of baseline.")
+    ] = 1.0,
+    memory_band_mib: Annotated[float, typer.Option(min=0, help="Parity band for memory, MiB (or the % band).")] = 64.0,
+    memory_band_pct: Annotated[
+        float, typer.Option(min=0, help="Parity band for memory, percent of baseline (larger band wins).")
+    ] = 0.1,
+    slot_bytes: Annotated[
+        list[str] | None,
+        typer.Option(help="Slot size BUF=BYTES (dispatch, expert) to explain the allocated delta; repeatable."),
+    ] = None,
+    slot_mib: Annotated[
+        list[str] | None, typer.Option(help="Slot size BUF=MIB, or MIB for every ring buffer; repeatable.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON instead of a table.")] = False,
+    csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write one CSV row per run and metric.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write memory, throughput and per-iteration PNG plots into this folder.")
+    ] = None,
+    fail_on_regression: Annotated[
+        bool, typer.Option(help="Exit 1 when any metric regresses beyond its band (for CI gating).")
+    ] = False,
+) -> None:
+    """Compare runs against the first one: deltas, noise bands, verdicts, ring-storage explanation."""
+    from bufreuse.analysis.compare import Bands, compare_specs, parse_slot_sizes
+    from bufreuse.analysis.compare_table import comparison_json, comparison_renderable, write_comparison
+    from bufreuse.errors import CheckFailedError
+
+    bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)
+    result = compare_specs(
+        runs, root=root, warmup=warmup, bands=bands, slot_bytes=parse_slot_sizes(slot_bytes, slot_mib)
+    )
+    written = write_comparison(result, csv_path=csv_path) if csv_path else []
+    if plot is not None:
+        from bufreuse.analysis.compare_plot import write_comparison_plots
+
+        written += write_comparison_plots(result, plot)
+    if json_out:
+        typer.echo(comparison_json(result))
+    else:
+        console.print(comparison_renderable(result))
+        for path in written:
+            console.print(f"wrote {path}")
+    if fail_on_regression and result.regressions:
+        shown = ", ".join(f"{run}:{metric}" for run, metric in result.regressions)
+        raise CheckFailedError(f"regression beyond the noise band: {shown}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to ``app``."""
+    """Add ``compare`` to ``app``."""
+    app.command("compare")(compare)

@@ -1,11 +1,63 @@
-"""`bufreuse` command module (demo): being written; registers nothing yet."""
+"""`bufreuse demo`: snapshot report, sweep table, compare and plots over the H200 recordings."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from bufreuse.cli._common import console, err_console, handle_errors
 
 __all__ = ["register"]
 
+LIVE_SLOTS = [0, 2, 4, 10]
+
+
+def _record_live(out: Path) -> Path:
+    """Re-record the example sweep on this machine's GPU; returns the folder holding it."""
+    import torch
+
+    from bufreuse.errors import InputError
+    from bufreuse.launch.sweep import SweepSpec, run_sweep
+
+    if not torch.cuda.is_available():
+        raise InputError("--live re-records the sweep on a local CUDA GPU and none is visible; drop --live")
+    root = out / "live-sweeps"
+    spec = SweepSpec(slots=list(LIVE_SLOTS), modes=["stream-ordered"], root=str(root), name="live", force=True)
+    with err_console.status("recording the sweep on the local GPU (slots 0, 2, 4, 10 + stream-ordered)"):
+        result = run_sweep(spec, launcher="local")
+    bad = {c: s for c, s in result.statuses.items() if s != "ok"}
+    if bad:
+        err_console.print(f"[yellow]warning:[/] not ok: {', '.join(f'{c} {s}' for c, s in bad.items())}")
+    return root
+
+
+@handle_errors
+def demo(
+    out: Annotated[Path, typer.Option(help="Folder the tables (txt/json/csv) and PNG plots go to.")] = Path(
+        "bufreuse-demo"
+    ),
+    examples: Annotated[
+        Path | None,
+        typer.Option(help="Folder of recorded sweeps and snapshots (default: ./examples, else the checkout's)."),
+    ] = None,
+    live: Annotated[
+        bool, typer.Option("--live", help="Re-record the sweep on a local CUDA GPU first, then analyse that.")
+    ] = False,
+) -> None:
+    """Run snapshot-report, the sweep table, compare control feature and the plots end to end."""
+    from bufreuse.analysis.demo import default_examples_dir, run_demo
+
+    source = _record_live(out) if live else (examples or default_examples_dir())
+    with err_console.status("demo") as status:
+        result = run_demo(source, out, step=lambda msg: status.update(f"demo: {msg}"))
+    console.print(f"[bold]bufreuse demo[/] over {result.examples} ({len(result.sweeps)} sweep(s)):", soft_wrap=True)
+    for line in result.summary:
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"wrote {len(result.files)} files into {result.out}/", soft_wrap=True)
+
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to ``app``."""
+    """Add ``demo`` to ``app``."""
+    app.command("demo")(demo)

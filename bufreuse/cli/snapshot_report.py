@@ -1,11 +1,132 @@
-"""`bufreuse` command module (snapshot_report): being written; registers nothing yet."""
+"""`bufreuse snapshot-report FILE...`: pending-free queue at max active, max reserved, who holds what."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from bufreuse.cli._common import console, err_console, handle_errors
 
 __all__ = ["register"]
 
 
+@handle_errors
+def snapshot_report(
+    files: Annotated[
+        list[Path],
+        typer.Argument(help="Allocator snapshots (torch.cuda.memory._dump_snapshot pickles, plain or gzip)."),
+    ],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per file, one per line.")] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write a PNG timeline (reserved, active, pending-free band); several files: PATH-<i>.png."),
+    ] = None,
+    category: Annotated[
+        list[str] | None,
+        typer.Option(help="Category rule NAME=REGEX on the alloc stack's 'file:function' lines; repeatable."),
+    ] = None,
+    site_frame: Annotated[
+        int, typer.Option(min=0, help="Which user frame names a site: 0 = innermost user frame, 1 = its caller.")
+    ] = 0,
+    site_skip: Annotated[
+        list[str] | None,
+        typer.Option(help="Extra filename REGEX whose frames are not user frames (besides torch, stdlib); repeatable."),
+    ] = None,
+    top: Annotated[int, typer.Option(min=1, help="Pending-free groups shown per file in the table.")] = 10,
+    workers: Annotated[
+        int | None,
+        typer.Option(min=1, help="Processes for several files (default: one per CPU, at most one per file)."),
+    ] = None,
+) -> None:
+    """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
+    from bufreuse.analysis.snapshot_report import ReportConfig, combine, report_files
+    from bufreuse.analysis.snapshot_sites import parse_category_options
+    from bufreuse.errors import InputError
+
+    try:
+        cats = parse_category_options(category or [])
+        config = ReportConfig(
+            categories=cats,
+            site_frame=site_frame,
+            site_skip=tuple(site_skip or ()),
+            timeline_points=2000 if plot is not None else 0,
+        )
+        config.rules()  # compiles every regex now: a bad one is one error line, not one per file
+    except (ValueError, re.error) as e:
+        raise InputError(str(e)) from None
+
+    paths = [str(f) for f in files]
+    with _progress(len(paths)) as (on_bytes, on_done):
+        results = report_files(paths, config, progress=on_bytes, on_file_done=on_done, workers=workers)
+
+    failed = 0
+    for i, res in enumerate(results):
+        if res.error is not None or res.report is None:
+            failed += 1
+            err_console.print(f"[bold red]error:[/] {res.error}", soft_wrap=True, highlight=False, markup=True)
+            continue
+        if json_out:
+            typer.echo(json.dumps(res.report, allow_nan=False, default=str))
+        else:
+            from bufreuse.analysis.snapshot_table import file_renderable
+
+            console.print(file_renderable(res.report, top=top))
+            console.print()
+        if plot is not None and res.timeline is not None:
+            from bufreuse.analysis.snapshot_plot import write_timeline_png
+
+            out = plot if len(results) == 1 else plot.with_name(f"{plot.stem}-{i}{plot.suffix or '.png'}")
+            write_timeline_png(res.timeline, out, title=res.file)
+            err_console.print(f"wrote {out}")
+        elif plot is not None:
+            err_console.print(f"[yellow]no plot for {res.file}: the snapshot has no trace[/]")
+    if len(results) > 1 and not json_out:
+        from bufreuse.analysis.snapshot_table import combined_table
+
+        console.print(combined_table(combine(results)))
+    if failed:
+        raise typer.Exit(2)
+
+
+class _progress:
+    """A rich progress bar on stderr (bytes for one file, files for several); silent off a terminal."""
+
+    def __init__(self, n_files: int) -> None:
+        self.n_files = n_files
+        self.bar = None
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        if not err_console.is_terminal:
+            return None, None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if self.n_files == 1:
+            cols = (TextColumn("loading"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+        else:
+            cols = (TextColumn("snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+        self.bar = Progress(*cols, console=err_console, transient=True)
+        self.bar.start()
+        task = self.bar.add_task("load", total=None if self.n_files == 1 else self.n_files)
+        bar = self.bar
+
+        def on_bytes(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        def on_done(_res: object) -> None:
+            if self.n_files > 1:
+                bar.advance(task)
+
+        return on_bytes, on_done
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to ``app``."""
+    """Add ``snapshot-report`` to ``app``."""
+    app.command("snapshot-report")(snapshot_report)

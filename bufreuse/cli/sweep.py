@@ -1,11 +1,242 @@
-"""`bufreuse` command module (sweep): being written; registers nothing yet."""
+"""`bufreuse sweep`: run control / ring / stream-ordered configurations of the MoE proxy and compare them."""
 
 from __future__ import annotations
 
+import json
+from typing import Annotated, Any
+
 import typer
+
+from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.errors import CheckFailedError, InputError, JobFailedError
 
 __all__ = ["register"]
 
+_SHAPE_HELP = "Proxy shape (default: DESIGN.md's proxy)."
+
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to ``app``."""
+    """Add ``sweep`` to ``app``."""
+
+    @app.command("sweep")
+    @handle_errors
+    def sweep(
+        slots: Annotated[
+            str, typer.Option(help="Ring slots per buffer, comma-separated; 0 is the control.")
+        ] = "0,4,10",
+        modes: Annotated[
+            str, typer.Option(help="Extra modes to add: stream-ordered and/or control (comma-separated).")
+        ] = "",
+        buffers: Annotated[
+            str, typer.Option(help="Buffers that take the ring / stream-ordered policy: dispatch, expert.")
+        ] = "dispatch,expert",
+        comm_ms: Annotated[
+            float | None, typer.Option(help="Emulated communication per dispatch and combine, ms (one GPU).")
+        ] = None,
+        cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the step and time replays.")] = False,
+        name: Annotated[str | None, typer.Option(help="Sweep name (default: a hash of the parameters).")] = None,
+        root: Annotated[
+            str | None, typer.Option(help="Folder of sweeps (default $BUFREUSE_SWEEPS or ./bufreuse-sweeps).")
+        ] = None,
+        force: Annotated[bool, typer.Option("--force", help="Rerun configurations that already finished.")] = False,
+        timeout: Annotated[
+            float, typer.Option(help="Seconds per configuration before it is killed (timeout).")
+        ] = 600.0,
+        json_out: Annotated[
+            bool, typer.Option("--json", help="Print the result rows as JSON instead of a table.")
+        ] = False,
+        launcher: Annotated[
+            str, typer.Option(help="Where configurations run: local (this machine) or slurm.")
+        ] = "local",
+        world_size: Annotated[
+            int | None, typer.Option(help="Processes per configuration (default: every visible GPU).")
+        ] = None,
+        hidden: Annotated[int | None, typer.Option(help=_SHAPE_HELP, rich_help_panel="Shape")] = None,
+        ffn: Annotated[int | None, typer.Option(help="Expert FFN size.", rich_help_panel="Shape")] = None,
+        tokens: Annotated[
+            int | None, typer.Option(help="Capacity tokens per microbatch.", rich_help_panel="Shape")
+        ] = None,
+        local_experts: Annotated[int | None, typer.Option(help="Experts per GPU.", rich_help_panel="Shape")] = None,
+        topk: Annotated[int | None, typer.Option(help="Copies per token.", rich_help_panel="Shape")] = None,
+        dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32.", rich_help_panel="Shape")] = None,
+        microbatches: Annotated[
+            int | None, typer.Option(help="Microbatches per step.", rich_help_panel="Shape")
+        ] = None,
+        steps: Annotated[int | None, typer.Option(help="Timed steps (>= 20 advised).", rich_help_panel="Shape")] = None,
+        warmup_steps: Annotated[
+            int | None, typer.Option(help="Untimed warm-up steps.", rich_help_panel="Shape")
+        ] = None,
+        record_steps: Annotated[
+            int | None, typer.Option(help="Steps recorded into snapshot.pickle.gz (0: none).", rich_help_panel="Shape")
+        ] = None,
+        seed: Annotated[int | None, typer.Option(help="Data seed.", rich_help_panel="Shape")] = None,
+        # --- SLURM launcher options (helper D; bufreuse/cli/_slurm.py, docs/slurm.md) ---
+        workload: Annotated[
+            str | None, typer.Option(help="proxy (default), cpu-smoke (CPU-only launcher check) or megatron (SLURM).")
+        ] = None,
+        status_dir: Annotated[
+            str | None, typer.Option("--status", help="Show the state of the sweep in DIR (SLURM: job ids, reasons).")
+        ] = None,
+        cancel_dir: Annotated[
+            str | None, typer.Option("--cancel", help="Cancel what is queued or running in the sweep in DIR.")
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="SLURM: write and print the sbatch scripts, submit nothing.")
+        ] = False,
+        no_wait: Annotated[
+            bool, typer.Option("--no-wait", help="SLURM: return after submitting (check with --status DIR).")
+        ] = False,
+        template: Annotated[
+            str | None,
+            typer.Option(help="SLURM: sbatch template, proxy | megatron | FILE.j2.", rich_help_panel="SLURM"),
+        ] = None,
+        slurm_site: Annotated[
+            str | None, typer.Option(help="YAML/JSON of site options; flags override.", rich_help_panel="SLURM")
+        ] = None,
+        slurm_partition: Annotated[
+            str | None, typer.Option(help="#SBATCH --partition.", rich_help_panel="SLURM")
+        ] = None,
+        slurm_account: Annotated[str | None, typer.Option(help="#SBATCH --account.", rich_help_panel="SLURM")] = None,
+        slurm_qos: Annotated[str | None, typer.Option(help="#SBATCH --qos.", rich_help_panel="SLURM")] = None,
+        slurm_time: Annotated[
+            str | None, typer.Option(help="#SBATCH --time (HH:MM:SS, D-HH:MM).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_nodes: Annotated[int | None, typer.Option(help="Nodes per job.", rich_help_panel="SLURM")] = None,
+        slurm_gpus_per_node: Annotated[
+            int | None, typer.Option(help="GPUs per node (one rank each).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_cpus_per_task: Annotated[
+            int | None, typer.Option(help="#SBATCH --cpus-per-task.", rich_help_panel="SLURM")
+        ] = None,
+        slurm_exclusive: Annotated[
+            bool, typer.Option("--slurm-exclusive", help="#SBATCH --exclusive.", rich_help_panel="SLURM")
+        ] = False,
+        slurm_container_image: Annotated[
+            str | None, typer.Option(help="srun --container-image (pyxis).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_container_mounts: Annotated[
+            str | None, typer.Option(help="srun --container-mounts (pyxis).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_venv: Annotated[
+            str | None, typer.Option(help="Virtualenv to activate in the job.", rich_help_panel="SLURM")
+        ] = None,
+        slurm_python: Annotated[
+            str | None, typer.Option(help="Interpreter the job runs (default: this one).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_extra: Annotated[
+            list[str] | None, typer.Option(help="Extra #SBATCH argument (repeatable).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_env: Annotated[
+            list[str] | None, typer.Option(help="NAME=VALUE exported in the job (repeatable).", rich_help_panel="SLURM")
+        ] = None,
+        slurm_poll: Annotated[
+            float, typer.Option(help="Longest seconds between status polls.", rich_help_panel="SLURM")
+        ] = 10.0,
+        megatron_args: Annotated[
+            str | None,
+            typer.Option(help="Your Megatron-LM pretrain arguments (megatron workload).", rich_help_panel="SLURM"),
+        ] = None,
+    ) -> None:
+        """Run a slot sweep (one fresh process per configuration), print the table, write PNG plots.
+
+        Re-running the same command skips finished configurations (--force reruns them).
+        """
+        if status_dir or cancel_dir:  # --status / --cancel DIR (helper D): nothing is run
+            from bufreuse.cli import _slurm
+
+            if cancel_dir:
+                _slurm.cancel_sweep(cancel_dir, json_out=json_out)
+            else:
+                _slurm.show_status(status_dir, json_out=json_out)
+            return
+        from bufreuse.analysis.sweep_table import checksum_mismatches, load_sweep_rows, sweep_table, write_sweep_plots
+        from bufreuse.launch.sweep import SweepSpec, parse_int_list, parse_str_list, run_sweep
+
+        given = {
+            "hidden": hidden, "ffn": ffn, "tokens": tokens, "local_experts": local_experts, "topk": topk,
+            "dtype": dtype, "microbatches": microbatches, "steps": steps, "warmup_steps": warmup_steps,
+            "record_steps": record_steps, "seed": seed, "comm_ms": comm_ms, "workload": workload,
+        }  # fmt: skip
+        if workload == "cpu-smoke":  # helper D: the CPU-only check workload needs no GPU
+            given["device"] = "cpu"
+        spec = SweepSpec(
+            slots=parse_int_list(slots, "--slots"),
+            modes=parse_str_list(modes),
+            buffers=parse_str_list(buffers),
+            cuda_graph=cuda_graph,
+            params={k: v for k, v in given.items() if v is not None},
+            world_size=world_size,
+            timeout_s=timeout,
+            name=name,
+            root=root,
+            force=force,
+        )
+        # Launcher-specific options (the SLURM launcher adds its own here).
+        launcher_options: dict[str, Any] = {}
+        runner: Any = launcher
+        if launcher == "slurm":  # helper D: build the SLURM launcher from the --slurm-* options
+            from bufreuse.cli import _slurm
+
+            runner = _slurm.build_slurm_launcher(
+                site_file=slurm_site, partition=slurm_partition, account=slurm_account, qos=slurm_qos,
+                time_limit=slurm_time, nodes=slurm_nodes, gpus_per_node=slurm_gpus_per_node,
+                cpus_per_task=slurm_cpus_per_task, exclusive=slurm_exclusive,
+                container_image=slurm_container_image, container_mounts=slurm_container_mounts, venv=slurm_venv,
+                python=slurm_python, extra=slurm_extra, env=slurm_env, template=template,
+                megatron_args=megatron_args, dry_run=dry_run,
+            )  # fmt: skip
+        elif dry_run or template:
+            raise InputError("--dry-run and --template apply to --launcher slurm only")
+        result = _run_with_progress(run_sweep, spec, runner, launcher_options)
+        if launcher == "slurm":
+            if dry_run:
+                _slurm.print_dry_run(runner)
+                return
+            if no_wait:
+                err_console.print(f"submitted; follow with: bufreuse sweep --status {result.folder}")
+            else:
+                _slurm.watch_jobs(runner, result.folder, poll_s=slurm_poll)
+
+        rows = load_sweep_rows(result.folder, result.config_ids)
+        plots = write_sweep_plots(result.folder, rows) if any(r.status == "ok" for r in rows) else []
+        mismatched = checksum_mismatches(rows)
+        if json_out:
+            payload = {
+                "folder": result.folder,
+                "launcher": result.launcher,
+                "ran": result.ran,
+                "skipped": result.skipped,
+                "rows": [r.to_dict() for r in rows],
+                "plots": [str(p) for p in plots],
+                "checksums_match": not mismatched,
+            }
+            console.print_json(json.dumps(payload))
+        else:
+            console.print(sweep_table(rows, title=f"sweep {result.folder}"))
+            for p in plots:
+                console.print(f"plot: {p}")
+        if mismatched:
+            groups = "; ".join(f"{k}: {', '.join(v)}" for k, v in mismatched.items())
+            raise CheckFailedError(f"results differ between configurations (checksum: ids): {groups}")
+        bad = [r.config_id + f" ({r.status})" for r in rows if r.status not in ("ok", "pending", "queued", "running")]
+        if bad:
+            raise JobFailedError(
+                f"{len(bad)} configuration(s) did not finish ok: {', '.join(bad)}; see log.txt in each folder"
+            )
+
+
+def _run_with_progress(run_sweep: Any, spec: Any, launcher: str, options: dict[str, Any]) -> Any:
+    """Call ``run_sweep`` with a rich progress bar on stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("sweep", total=None)
+
+        def progress(ev: Any) -> None:
+            text = f"{ev.config_id}: {ev.state}" + (f" — {ev.message[:80]}" if ev.message and ev.state != "ok" else "")
+            bar.update(task, total=ev.total, completed=ev.done, description=text)
+
+        return run_sweep(spec, launcher=launcher, launcher_options=options, progress=progress)

@@ -1,0 +1,163 @@
+"""Render a :class:`ComparisonResult`: a rich side-by-side table, plain text, CSV and JSON files.
+
+Used by ``bufreuse compare`` (to the terminal) and ``bufreuse demo`` (to files); it only formats,
+the numbers come from :mod:`.compare`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from bufreuse.analysis.compare import ComparisonResult, MetricDelta, RunComparison
+from bufreuse.fsutil import atomic_write_json, atomic_write_text
+
+__all__ = ["comparison_json", "comparison_renderable", "comparison_text", "write_comparison"]
+
+_STYLE = {"improvement": "green", "parity": "cyan", "regression": "bold red", "n/a": "dim"}
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.0f}" if unit == "MiB" else f"{value:,.2f}"
+
+
+def _delta_cell(m: MetricDelta) -> Text:
+    if m.delta is None:
+        return Text(m.verdict, style=_STYLE.get(m.verdict, ""))
+    pct = f" ({m.delta_pct:+.2f}%)" if m.delta_pct is not None else ""
+    sign = f"{m.delta:+,.0f}" if m.unit == "MiB" else f"{m.delta:+,.2f}"
+    text = Text(f"{sign}{pct} ")
+    text.append(m.verdict, style=_STYLE.get(m.verdict, ""))
+    if m.ci_low is not None and m.ci_high is not None:
+        text.append(f"\nCI95 [{m.ci_low:+.2f}, {m.ci_high:+.2f}]", style="dim")
+    return text
+
+
+def _detail_table(result: ComparisonResult, comp: RunComparison) -> Table:
+    table = Table(title=f"{comp.label} vs baseline {result.baseline}", header_style="bold")
+    table.add_column("metric")
+    table.add_column(result.baseline, justify="right")
+    table.add_column(comp.label, justify="right")
+    table.add_column("Δ (Δ%) verdict")
+    for m in comp.metrics:
+        table.add_row(f"{m.title} ({m.unit})", _fmt(m.baseline, m.unit), _fmt(m.value, m.unit), _delta_cell(m))
+    return table
+
+
+_HEADERS = {
+    "tflops_mean": "TFLOP/s mean",
+    "tflops_median": "TFLOP/s med",
+    "tflops": "TFLOP/s",
+    "step_ms_mean": "step mean",
+    "step_ms_median": "step med",
+    "max_allocated_mib": "allocated",
+    "max_reserved_mib": "reserved",
+    "max_active_mib": "active",
+    "device_used_mib": "device",
+    "pending_free_mib": "pending-free",
+}
+_SHORT = {"improvement": "better", "parity": "parity", "regression": "WORSE", "n/a": "n/a"}
+
+
+def _overview_table(result: ComparisonResult) -> Table:
+    keys: list[tuple[str, str]] = []
+    for comp in result.comparisons:
+        for m in comp.metrics:
+            if (m.metric, m.title) not in keys:
+                keys.append((m.metric, m.title))
+    table = Table(title=f"overview: Δ% vs baseline {result.baseline}", header_style="bold")
+    table.add_column("run")
+    for key, title in keys:
+        table.add_column(_HEADERS.get(key, title), justify="right")
+    for comp in result.comparisons:
+        cells: list[str | Text] = [comp.label]
+        for key, _ in keys:
+            m = next((x for x in comp.metrics if x.metric == key), None)
+            if m is None or m.delta_pct is None:
+                cells.append(Text(m.verdict if m else "—", style="dim"))
+            else:
+                cells.append(Text(f"{m.delta_pct:+.1f}% {_SHORT[m.verdict]}", style=_STYLE[m.verdict]))
+        table.add_row(*cells)
+    return table
+
+
+def comparison_renderable(result: ComparisonResult) -> Group:
+    """An overview (when several runs), then per run a side-by-side table and its notes."""
+    parts: list[Table | Text] = []
+    if len(result.comparisons) > 1:
+        parts.append(_overview_table(result))
+    for comp in result.comparisons:
+        parts.append(_detail_table(result, comp))
+        if comp.status != "ok":
+            parts.append(Text(f"{comp.label}: status {comp.status}; no metrics compared", style="bold red"))
+        if comp.explanation:
+            mark = " (accounts for it)" if comp.explained else ""
+            parts.append(Text(f"{comp.label}: {comp.explanation}{mark}"))
+        for m in comp.metrics:
+            if m.note:
+                parts.append(Text(f"{comp.label}: {m.title}: {m.note}", style="yellow"))
+        for caveat in comp.caveats:
+            parts.append(Text(f"{comp.label}: {caveat}", style="yellow"))
+    bands = result.bands
+    parts.append(
+        Text(
+            f"noise bands: throughput/step time ±{bands.throughput_pct:g}%, memory ±max({bands.memory_mib:g} MiB, "
+            f"{bands.memory_pct:g}%)"
+            + (
+                f"; Megatron logs skip the first {result.warmup} iterations"
+                if any(r.kind == "megatron" for r in result.runs)
+                else ""
+            ),
+            style="dim",
+        )
+    )
+    return Group(*parts)
+
+
+def comparison_text(result: ComparisonResult, *, width: int = 160) -> str:
+    """The rendered table as plain text (no colour), e.g. for a report file."""
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None, highlight=False)
+    console.print(comparison_renderable(result))
+    return console.export_text()
+
+
+def _csv_text(result: ComparisonResult) -> str:
+    rows = result.to_rows()
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_comparison(
+    result: ComparisonResult,
+    *,
+    csv_path: str | os.PathLike[str] | None = None,
+    json_path: str | os.PathLike[str] | None = None,
+    text_path: str | os.PathLike[str] | None = None,
+) -> list[Path]:
+    """Write whichever of the CSV, JSON and text forms are asked for, atomically; returns the paths."""
+    written = []
+    if csv_path is not None:
+        written.append(atomic_write_text(csv_path, _csv_text(result)))
+    if json_path is not None:
+        written.append(atomic_write_json(json_path, result.to_dict()))
+    if text_path is not None:
+        written.append(atomic_write_text(text_path, comparison_text(result)))
+    return written
+
+
+def comparison_json(result: ComparisonResult) -> str:
+    """The JSON that ``bufreuse compare --json`` prints."""
+    return json.dumps(result.to_dict(), indent=2, sort_keys=True, allow_nan=False)

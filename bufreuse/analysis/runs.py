@@ -1,0 +1,334 @@
+"""Resolve what the user named (labels, sweep folders, Megatron logs, snapshots) into run records.
+
+``compare`` works on :class:`RunRecord` only, whatever the run came from:
+
+- a sweep configuration folder (``metrics.json`` from ``bufreuse sweep``), or a label inside the
+  latest sweep under the sweeps root: ``control`` (``slots0``), ``feature`` (every other
+  configuration with the same ``-graph`` suffix), or any configuration id (``slots4``,
+  ``stream-ordered``); a whole sweep folder stands for all its configurations;
+- a Megatron run folder or log file (SLURM output), parsed by :mod:`.megatron_log`;
+- a bare allocator snapshot (``.pickle``/``.pickle.gz``), read by ``snapshot_report.report_file``.
+
+Ring sizes come from ``metrics.json`` (``ring_bytes``/``ring_slot_bytes``), from Megatron's
+printed arguments (slot counts, and a slot-size estimate from the static HybridEP bound), or
+from the caller (``--slot-bytes``). Reading costs one JSON file per configuration, one pass
+over each log, and a full snapshot load per bare snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bufreuse.analysis.megatron_log import expand_hostlist, parse_log, steady_iterations
+from bufreuse.errors import InputError, LogFormatError
+from bufreuse.fsutil import read_json
+from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
+
+__all__ = ["BUFFER_ALIASES", "RunRecord", "normalise_buffer", "resolve_runs"]
+
+MIB = 1 << 20
+BUFFER_ALIASES = {
+    "dispatch": "dispatch_output",
+    "dispatch_output": "dispatch_output",
+    "expert": "expert_fc2_output",
+    "expert_output": "expert_fc2_output",
+    "expert_fc2_output": "expert_fc2_output",
+}
+_SNAPSHOT_SUFFIXES = (".pickle", ".pickle.gz", ".pkl", ".pkl.gz")
+_LOG_SUFFIXES = (".out", ".log", ".txt", ".err")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    """One run, normalised: per-iteration samples where known, peaks in bytes, ring sizes."""
+
+    label: str
+    source: Path
+    kind: str
+    """``sweep`` (metrics.json), ``megatron`` (training log) or ``snapshot`` (allocator snapshot)."""
+    status: str = "ok"
+    tflops: list[float] = field(default_factory=list)
+    """Steady-state throughput per GPU, one value per logged iteration."""
+    tflops_value: float | None = None
+    """A single throughput figure when no per-iteration values exist (``metrics.json["tflops"]``)."""
+    step_ms: list[float] = field(default_factory=list)
+    max_allocated_bytes: int | None = None
+    max_reserved_bytes: int | None = None
+    max_active_bytes: int | None = None
+    """Snapshots only: peak of allocated plus pending-free blocks (what the allocator could not reuse)."""
+    device_used_bytes: int | None = None
+    pending_free_bytes: int | None = None
+    ring_slots: dict[str, int] = field(default_factory=dict)
+    ring_slot_bytes: dict[str, int] = field(default_factory=dict)
+    slot_bytes_source: str | None = None
+    node_list: list[str] | None = None
+    job_id: str | None = None
+    dropped: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ring_bytes(self) -> int | None:
+        """Persistent ring storage (slots × slot size summed over buffers), None if a size is unknown."""
+        total = 0
+        for name, slots in self.ring_slots.items():
+            if slots == 0:
+                continue
+            if name not in self.ring_slot_bytes:
+                return None
+            total += slots * self.ring_slot_bytes[name]
+        return total
+
+
+def normalise_buffer(name: str) -> str:
+    """Map a user-facing buffer name (``dispatch``, ``expert``) to the pool's buffer name."""
+    try:
+        return BUFFER_ALIASES[name.strip().lower()]
+    except KeyError:
+        raise InputError(f"unknown buffer {name!r}; use one of {', '.join(sorted(BUFFER_ALIASES))}") from None
+
+
+def resolve_runs(specs: list[str], *, root: str | os.PathLike[str] | None = None, warmup: int = 3) -> list[RunRecord]:
+    """Turn command-line specs into run records, in order (a label may expand to several runs)."""
+    if not specs:
+        raise InputError("name at least two runs to compare (e.g. `bufreuse compare control feature`)")
+    runs: list[RunRecord] = []
+    for spec in specs:
+        path = Path(spec)
+        if path.exists():
+            runs.extend(_from_path(path, warmup))
+        else:
+            runs.extend(_from_label(spec, root))
+    _unique_labels(runs)
+    return runs
+
+
+def _from_path(path: Path, warmup: int) -> list[RunRecord]:
+    if path.is_dir():
+        if SweepDir(path).exists():
+            sweep = SweepDir(path)
+            return [_from_config(sweep.paths(cid), cid) for cid in sweep.config_ids()]
+        if (path / "metrics.json").is_file() or (path / "config.json").is_file():
+            return [_from_config(ConfigPaths(path), path.name)]
+        return [_from_megatron_folder(path, warmup)]
+    name = path.name.lower()
+    if name.endswith(_SNAPSHOT_SUFFIXES):
+        return [_from_snapshot(path)]
+    if name == "metrics.json" or name.startswith("metrics.rank"):
+        return [_from_config(ConfigPaths(path.parent), path.parent.name)]
+    return [_from_megatron_log(path, warmup, label=path.stem)]
+
+
+def _from_label(label: str, root: str | os.PathLike[str] | None) -> list[RunRecord]:
+    try:
+        sweep = latest_sweep(root)
+    except InputError as e:
+        raise InputError(f"{label!r} is neither a path nor a label that resolves: {e}") from None
+    ids = sweep.config_ids()
+    control = _control_id(ids)
+    if label == "control":
+        if control is None:
+            raise InputError(f"sweep {sweep.folder} has no control configuration (slots0)")
+        chosen = [control]
+    elif label == "feature":
+        graph = control is not None and control.endswith("-graph")
+        chosen = [c for c in ids if c != control and not c.startswith("slots0") and c.endswith("-graph") == graph]
+        if not chosen:
+            raise InputError(f"sweep {sweep.folder} has no feature configuration (only {', '.join(ids)})")
+    elif label in ids:
+        chosen = [label]
+    else:
+        raise InputError(
+            f"unknown label {label!r}: not a path, not 'control'/'feature', "
+            f"and not a configuration of {sweep.folder} ({', '.join(ids)})"
+        )
+    return [_from_config(sweep.paths(cid), cid) for cid in chosen]
+
+
+def _control_id(ids: list[str]) -> str | None:
+    if "slots0" in ids:
+        return "slots0"
+    return next((c for c in ids if c.startswith("slots0")), None)
+
+
+def _from_config(paths: ConfigPaths, label: str) -> RunRecord:
+    if not paths.folder.is_dir():
+        raise InputError(f"{paths.folder}: no such configuration folder")
+    metrics = paths.read_metrics()
+    if metrics is None:
+        raise InputError(f"{paths.folder}: no finished metrics.json (run the sweep, or `bufreuse sweep --resume`)")
+    run = RunRecord(label=label, source=paths.folder, kind="sweep", status=str(metrics["status"]))
+    if run.status != "ok":
+        run.warnings.append(f"status {run.status}: {metrics.get('error') or 'no error message'}")
+        return run
+    step = metrics.get("step_ms") or {}
+    run.step_ms = [float(v) for v in step.get("values") or [] if _finite(v)]
+    if not run.step_ms and _finite(step.get("median")):
+        run.step_ms = [float(step["median"])]
+        run.warnings.append("metrics.json has no per-step values; using the median only")
+    run.tflops_value = float(metrics["tflops"]) if _finite(metrics.get("tflops")) else None
+    run.max_allocated_bytes = _int(metrics.get("max_allocated_bytes"))
+    run.max_reserved_bytes = _int(metrics.get("max_reserved_bytes"))
+    run.device_used_bytes = _int(metrics.get("device_used_bytes"))
+    run.pending_free_bytes = _int(metrics.get("pending_free_at_max_active_bytes"))
+    ring_bytes = metrics.get("ring_bytes") or {}
+    for name, per_slot in (metrics.get("ring_slot_bytes") or {}).items():
+        if _int(per_slot):
+            run.ring_slot_bytes[name] = int(per_slot)
+            run.ring_slots[name] = int(ring_bytes.get(name, 0)) // int(per_slot)
+    if run.ring_slot_bytes:
+        run.slot_bytes_source = "metrics.json"
+    env = metrics.get("env") or {}
+    run.job_id = str(env["slurm_job_id"]) if env.get("slurm_job_id") else None
+    run.node_list = _nodes(env.get("slurm_nodelist"), run.warnings) or _job_nodes(paths.job, run)
+    if run.node_list is None and env.get("hostname") and int(env.get("world_size") or 1) <= 1:
+        run.node_list = [str(env["hostname"])]
+    return run
+
+
+def _from_megatron_folder(folder: Path, warmup: int) -> RunRecord:
+    candidates = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(_LOG_SUFFIXES))
+    best: tuple[int, RunRecord] | None = None
+    for path in candidates:
+        try:
+            run = _from_megatron_log(path, warmup, label=folder.name)
+        except LogFormatError:
+            continue
+        n = len(run.step_ms) + sum(run.dropped.values())
+        if best is None or n > best[0]:
+            best = (n, run)
+    if best is None:
+        raise InputError(f"{folder}: no sweep metrics and no log file with Megatron iteration lines in it")
+    run = best[1]
+    if run.node_list is None:
+        run.node_list = _job_nodes(folder / "job.json", run)
+    return run
+
+
+def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
+    log = parse_log(path)
+    steady, dropped = steady_iterations(log, warmup=warmup)
+    if not steady:
+        raise LogFormatError(f"{path}: no steady-state iterations left after dropping {dropped} (lower --warmup?)")
+    run = RunRecord(label=label, source=path, kind="megatron", dropped=dropped, warnings=list(log.warnings))
+    run.step_ms = [r.elapsed_ms for r in steady if r.elapsed_ms is not None]
+    run.tflops = [r.tflops for r in steady if r.tflops is not None]
+    for attr, target in (
+        ("max_allocated_mib", "max_allocated_bytes"),
+        ("max_reserved_mib", "max_reserved_bytes"),
+        ("device_used_mib", "device_used_bytes"),
+    ):
+        peak = log.peak(attr)
+        if peak is not None:
+            setattr(run, target, round(peak * MIB))
+    run.node_list, run.job_id = log.node_list, log.job_id
+    if run.node_list is None:
+        run.node_list = _job_nodes(path.parent / "job.json", run)
+    _rings_from_args(log.args, run)
+    return run
+
+
+def _from_snapshot(path: Path) -> RunRecord:
+    from bufreuse.analysis.snapshot_report import report_file
+
+    report = report_file(path)
+    run = RunRecord(label=path.name.split(".")[0], source=path, kind="snapshot")
+    run.max_reserved_bytes = _int(report.get("max_reserved_bytes"))
+    run.max_active_bytes = _int(report.get("max_active_bytes"))
+    run.pending_free_bytes = _int(report.get("pending_free_at_max_active_bytes"))
+    run.warnings.extend(str(w) for w in report.get("warnings") or [])
+    return run
+
+
+def _rings_from_args(args: dict[str, str], run: RunRecord) -> None:
+    """Slot counts from Megatron's printed arguments, and the slot size implied by the static bound."""
+    expert = _int_arg(args, "moe_hybridep_num_expert_output_buffers")
+    dispatch = _int_arg(args, "moe_hybridep_num_dispatch_output_buffers")
+    if expert:
+        run.ring_slots["expert_fc2_output"] = expert
+    if dispatch and args.get("moe_hybridep_reuse_dispatch_output_buffers", "").lower() == "true":
+        run.ring_slots["dispatch_output"] = dispatch
+    rows = _static_rows(args)
+    hidden = _int_arg(args, "hidden_size")
+    if run.ring_slots and rows and hidden:
+        element = 4 if "float32" in args.get("params_dtype", "") else 2
+        for name in run.ring_slots:
+            run.ring_slot_bytes[name] = rows * hidden * element
+        run.slot_bytes_source = f"Megatron arguments ({rows} rows × {hidden} hidden × {element} B)"
+
+
+def _static_rows(args: dict[str, str]) -> int | None:
+    """Rows of the static HybridEP output bound with ``moe_expert_rank_capacity_factor``, else None."""
+    factor = _float_arg(args, "moe_expert_rank_capacity_factor")
+    seq, mbs, topk = (_int_arg(args, k) for k in ("seq_length", "micro_batch_size", "moe_router_topk"))
+    if not (factor and seq and mbs and topk):
+        return None
+    tokens = seq * mbs // max(1, _int_arg(args, "context_parallel_size") or 1)
+    if args.get("sequence_parallel") == "True":
+        tokens //= max(1, _int_arg(args, "tensor_model_parallel_size") or 1)
+    rows = int(tokens * topk * factor)
+    align = 256 if args.get("use_transformer_engine_op_fuser") == "True" else 16
+    return -(-rows // align) * align
+
+
+def _job_nodes(job_json: Path, run: RunRecord) -> list[str] | None:
+    try:
+        job = read_json(job_json)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(job, dict):
+        return None
+    run.job_id = run.job_id or (str(job["job_id"]) if job.get("job_id") else None)
+    for key in ("nodelist", "node_list", "NodeList", "nodes"):
+        nodes = job.get(key)
+        if isinstance(nodes, list) and nodes:
+            return [str(n) for n in nodes]
+        if isinstance(nodes, str) and nodes:
+            return _nodes(nodes, run.warnings)
+    return None
+
+
+def _nodes(value: Any, warnings: list[str]) -> list[str] | None:
+    if not value or not isinstance(value, str):
+        return None
+    try:
+        return expand_hostlist(value)
+    except ValueError as e:
+        warnings.append(str(e))
+        return None
+
+
+def _unique_labels(runs: list[RunRecord]) -> None:
+    seen: dict[str, int] = {}
+    for run in runs:
+        if run.label in seen:
+            seen[run.label] += 1
+            run.label = f"{run.source.parent.name}/{run.label}" if run.source.parent.name else run.label
+            if run.label in seen:
+                run.label = f"{run.label}#{seen[run.label]}"
+        seen.setdefault(run.label, 1)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if _finite(v) else None
+
+
+def _int_arg(args: dict[str, str], key: str) -> int | None:
+    try:
+        return int(args[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def _float_arg(args: dict[str, str], key: str) -> float | None:
+    try:
+        return float(args[key])
+    except (KeyError, ValueError):
+        return None

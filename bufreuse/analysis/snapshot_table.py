@@ -1,0 +1,113 @@
+"""Rich tables for snapshot reports: one per file, and the combined one over several files (ranks)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+__all__ = ["combined_table", "file_renderable", "fmt_bytes"]
+
+_MiB = 1 << 20
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """``1,078 MiB`` style (GiB above 100 GiB); ``-`` for None."""
+    if n is None:
+        return "-"
+    if abs(n) >= 100 * 1024 * _MiB:
+        return f"{n / (1024 * _MiB):,.1f} GiB"
+    if abs(n) >= _MiB:
+        return f"{n / _MiB:,.0f} MiB" if abs(n) >= 100 * _MiB else f"{n / _MiB:,.1f} MiB"
+    return f"{int(n):,} B"
+
+
+def _when(report: dict[str, Any], key: str) -> str:
+    idx = report.get(f"{key}_event_index")
+    if idx is None:
+        return "final state"
+    return "before the first event" if idx < 0 else f"event {idx:,}"
+
+
+def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
+    """Summary figures, the pending-free groups at the max-active point, per-stream totals, warnings."""
+    s = Table(title=report["file"], title_justify="left", show_header=False, box=None, pad_edge=False)
+    s.add_column("figure", style="bold")
+    s.add_column("value", justify="right")
+    s.add_column("note", style="dim")
+    rows = [
+        ("max reserved", report["max_reserved_bytes"], _when(report, "max_reserved")),
+        ("reserved at trace start", report["reserved_at_trace_start_bytes"], "memory from before recording"),
+        ("max active", report["max_active_bytes"], _when(report, "max_active")),
+        ("  allocated there", report["allocated_at_max_active_bytes"], ""),
+        ("  pending free there", report["pending_free_at_max_active_bytes"], "blocks waiting on record_stream"),
+        ("max pending free", report["max_pending_free_bytes"], "anywhere in the trace"),
+        ("final reserved", report["final_reserved_bytes"], f"{report['num_segments']} segments"),
+    ]
+    rows += [(f"  {k}", v, "final state") for k, v in report["final_state_bytes"].items()]
+    frag = report["fragmentation"]
+    rows += [
+        ("  rounding waste", frag["rounding_waste_bytes"], "active blocks: size - requested"),
+    ]
+    for name, value, note in rows:
+        s.add_row(name, fmt_bytes(value), note)
+    s.add_row("trace events", f"{report['num_trace_events']:,}", report["format"])
+    for cat, b in report["pending_free_by_category_at_max_active"].items():
+        if b:
+            s.add_row(f"pending free: {cat}", fmt_bytes(b), "at max active")
+    parts: list[RenderableType] = [s]
+    groups = report["pending_free_groups_at_max_active"]
+    if groups:
+        g = Table(title="pending-free queue at max active (by site, size, stream)", title_justify="left")
+        for col, j in (("count", "right"), ("size", "right"), ("total", "right"), ("stream", "right")):
+            g.add_column(col, justify=j)  # type: ignore[arg-type]
+        g.add_column("category")
+        g.add_column("site", overflow="fold")
+        for row in groups[:top]:
+            g.add_row(
+                f"{row['count']:,}",
+                fmt_bytes(row["size_bytes"]),
+                fmt_bytes(row["total_bytes"]),
+                str(row["stream"]),
+                row["category"],
+                row["site"],
+            )
+        if len(groups) > top:
+            g.caption = f"{len(groups) - top} more groups (--top, or --json for all)"
+        parts.append(g)
+    if len(report["streams"]) > 1 or report["oom_events"]:
+        st = Table(title="per stream", title_justify="left")
+        for col in ("stream", "allocs", "alloc bytes", "pending free at max active", "final active"):
+            st.add_column(col, justify="right")
+        for sid, f in report["streams"].items():
+            st.add_row(
+                sid,
+                f"{f.get('alloc_count', 0):,}",
+                fmt_bytes(f.get("alloc_bytes", 0)),
+                fmt_bytes(f.get("pending_free_at_max_active_bytes", 0)),
+                fmt_bytes(f.get("final_active_bytes", 0)),
+            )
+        parts.append(st)
+    for oom in report["oom_events"]:
+        parts.append(
+            f"[red]OOM[/] at event {oom['event_index']:,}: asked {fmt_bytes(oom['size_bytes'])}, "
+            f"device free {fmt_bytes(oom['device_free_bytes'])} (stream {oom['stream']})"
+        )
+    for w in report["warnings"]:
+        parts.append(f"[yellow]warning:[/] {w}")
+    return Group(*parts)
+
+
+def combined_table(combined: dict[str, Any], labels: Sequence[str] = ()) -> Table:
+    """Min / median / max of each figure over the files, naming the worst file (rank)."""
+    t = Table(title=f"combined over {combined['reported']} of {combined['files']} files", title_justify="left")
+    for col in ("figure", "min", "median", "max", "worst"):
+        t.add_column(col, justify="left" if col in ("figure", "worst") else "right")
+    for name, f in combined["figures"].items():
+        fmt = (lambda v: f"{int(v):,}") if not name.endswith("_bytes") else fmt_bytes
+        worst = f"rank {f['worst_rank']}" if f["worst_rank"] is not None else os.path.basename(f["worst_file"])
+        t.add_row(name.removesuffix("_bytes").replace("_", " "), fmt(f["min"]), fmt(f["median"]), fmt(f["max"]), worst)
+    return t

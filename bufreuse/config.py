@@ -1,0 +1,322 @@
+"""The feature's knobs, where they come from (YAML, argparse) and what they cost in memory.
+
+Three knobs are named exactly as the Megatron-LM draft PR names them; two more (per-buffer policy)
+are ours so users can pick ``ring`` / ``stream-ordered`` / ``record-stream`` by measurement.
+The requirement matrix and ``validate()`` against a megatron-core ``TransformerConfig`` live in
+:mod:`bufreuse.integrations.requirements` (re-exported here). Neither module imports torch or megatron at
+import time, so ``bufreuse check-config`` starts fast and works without megatron installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from bufreuse.errors import ConfigError, InputError
+
+__all__ = [
+    "BUFFERS",
+    "POLICIES",
+    "BufReuseConfig",
+    "BufferBound",
+    "add_arguments",
+    "check",
+    "load_megatron_file",
+    "static_bounds",
+    "tokens_per_microbatch",
+    "validate",
+]
+
+POLICIES = ("ring", "stream-ordered", "record-stream")
+"""Per-buffer policies; names match ``bufreuse.pool.Policy`` values."""
+
+BUFFERS = {"dispatch": "dispatch_output", "expert": "expert_fc2_output"}
+"""Short buffer key -> the pool's standard ring name."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BufReuseConfig:
+    """The opt-in switches; both buffers are independent and off by default."""
+
+    moe_hybridep_reuse_dispatch_output_buffers: bool = False
+    """Take the MoE dispatch output from a caller-owned buffer (the seed's knob; also the NCCL path)."""
+    moe_hybridep_num_dispatch_output_buffers: int = 4
+    """Slots in the dispatch-output ring; each holds one static-bound dispatch output."""
+    moe_hybridep_num_expert_output_buffers: int = 0
+    """Slots in the expert FC2-output ring; 0 disables expert-output reuse."""
+    moe_bufreuse_dispatch_policy: str = "ring"
+    """How the dispatch buffer is managed: ring | stream-ordered | record-stream (control)."""
+    moe_bufreuse_expert_policy: str = "ring"
+    """How the expert FC2 output is managed: ring | stream-ordered | record-stream (control)."""
+
+    def __post_init__(self) -> None:
+        bad = []
+        for name in ("moe_bufreuse_dispatch_policy", "moe_bufreuse_expert_policy"):
+            value = getattr(self, name)
+            if value not in POLICIES:
+                bad.append(f"{name}={value!r} (choose from {', '.join(POLICIES)})")
+        for name in ("moe_hybridep_num_dispatch_output_buffers", "moe_hybridep_num_expert_output_buffers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                bad.append(f"{name}={value!r} (must be an integer >= 0)")
+        if bad:
+            raise ConfigError("invalid bufreuse knobs: " + "; ".join(bad))
+
+    @property
+    def dispatch_enabled(self) -> bool:
+        return bool(self.moe_hybridep_reuse_dispatch_output_buffers)
+
+    @property
+    def expert_enabled(self) -> bool:
+        return self.moe_hybridep_num_expert_output_buffers > 0
+
+    def enabled(self) -> dict[str, str]:
+        """``{buffer key: policy}`` for the buffers switched on."""
+        out = {}
+        if self.dispatch_enabled:
+            out["dispatch"] = self.moe_bufreuse_dispatch_policy
+        if self.expert_enabled:
+            out["expert"] = self.moe_bufreuse_expert_policy
+        return out
+
+    def slots(self, buffer: str) -> int:
+        """Slots the pool registers for ``buffer`` (0 unless its policy is ``ring``)."""
+        policy = self.enabled().get(buffer)
+        if policy != "ring":
+            return 0
+        if buffer == "dispatch":
+            return self.moe_hybridep_num_dispatch_output_buffers
+        return self.moe_hybridep_num_expert_output_buffers
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> BufReuseConfig:
+        """Pick our knobs out of a Megatron YAML dict or args mapping (dashes or underscores)."""
+        norm = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+        kwargs = {f.name: norm[f.name] for f in fields(cls) if f.name in norm and norm[f.name] is not None}
+        return cls(**kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | Any) -> BufReuseConfig:
+        """From a parsed namespace that went through :func:`add_arguments` (Megatron's ``args``)."""
+        return cls.from_mapping({f.name: getattr(args, f.name, None) for f in fields(cls)})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register the knobs on ``parser``; usable as Megatron-LM's ``extra_args_provider``."""
+    group = parser.add_argument_group(title="bufreuse (MoE buffer reuse)")
+    group.add_argument(
+        "--moe-hybridep-reuse-dispatch-output-buffers",
+        action="store_true",
+        default=False,
+        help="Take the MoE dispatch output from a caller-owned buffer ring.",
+    )
+    group.add_argument(
+        "--moe-hybridep-num-dispatch-output-buffers",
+        type=int,
+        default=4,
+        help="Slots in the dispatch-output ring.",
+    )
+    group.add_argument(
+        "--moe-hybridep-num-expert-output-buffers",
+        type=int,
+        default=0,
+        help="Slots in the expert FC2-output ring (0 disables).",
+    )
+    for buf in ("dispatch", "expert"):
+        group.add_argument(
+            f"--moe-bufreuse-{buf}-policy",
+            choices=POLICIES,
+            default="ring",
+            help=f"Policy for the {buf} buffer: ring, stream-ordered or record-stream (control).",
+        )
+    return parser
+
+
+def load_megatron_file(path: str | Path) -> dict[str, Any]:
+    """Read a Megatron YAML config or a file of command-line arguments into one flat dict.
+
+    YAML: top-level keys (nested ``model:``/``language_model:`` sections are flattened). Args
+    file: ``--flag value`` / ``--flag`` tokens, whitespace or newline separated, ``#`` comments.
+    Raises :class:`InputError` when the file cannot be read or parsed.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {p}: {e}") from None
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+    if p.suffix in (".yaml", ".yml") or not first.startswith("--"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise InputError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{p}: expected a mapping of Megatron fields at the top level")
+        return _flatten(data)
+    return _parse_args_text(text, p)
+
+
+def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v))
+        else:
+            out[str(k).replace("-", "_")] = v
+    return out
+
+
+def _parse_args_text(text: str, path: Path) -> dict[str, Any]:
+    import shlex
+
+    tokens = [t for line in text.splitlines() for t in shlex.split(line, comments=True) if t != "\\"]
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            raise InputError(f"{path}: expected --flag, got {tok!r}")
+        key = tok[2:].replace("-", "_")
+        if "=" in key:
+            key, _, val = key.partition("=")
+            out[key] = _scalar(val)
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            vals = []
+            while i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                vals.append(_scalar(tokens[i + 1]))
+                i += 1
+            out[key] = vals[0] if len(vals) == 1 else vals
+            i += 1
+        else:
+            out[key] = True
+            i += 1
+    return out
+
+
+def _scalar(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+@dataclass(kw_only=True, slots=True)
+class BufferBound:
+    """The static bound of one buffer and what its ring holds persistently."""
+
+    buffer: str
+    """``dispatch`` or ``expert``."""
+    rows: int
+    """Token rows of the largest output (the static bound)."""
+    hidden: int
+    """Columns per row."""
+    element_size: int
+    """Bytes per element of the activation dtype."""
+    slots: int
+    """Ring slots (0 for stream-ordered / record-stream)."""
+    source: str
+    """Where the bound comes from, in words."""
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.rows * self.hidden * self.element_size
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    return getattr(cfg, name, default) if not isinstance(cfg, Mapping) else cfg.get(name, default)
+
+
+def tokens_per_microbatch(cfg: Any, *, seq_length: int | None, micro_batch_size: int | None) -> int | None:
+    """Tokens entering one MoE layer per rank per microbatch (S x B / CP / TP under sequence parallel)."""
+    if not seq_length or not micro_batch_size:
+        return None
+    tokens = int(seq_length) * int(micro_batch_size)
+    tokens //= max(1, int(_get(cfg, "context_parallel_size", 1) or 1))
+    if _get(cfg, "sequence_parallel", False):
+        tokens //= max(1, int(_get(cfg, "tensor_model_parallel_size", 1) or 1))
+    return tokens
+
+
+def _element_size(cfg: Any) -> int:
+    if _get(cfg, "bf16", False) or _get(cfg, "fp16", False):
+        return 2
+    dtype = str(_get(cfg, "params_dtype", "") or "")
+    return 2 if ("bfloat16" in dtype or "float16" in dtype) else 4
+
+
+def _quant_alignment(cfg: Any) -> int:
+    """Row alignment HybridEP rounds the budget to (mirrors megatron's quantization alignment)."""
+    if _get(cfg, "use_transformer_engine_op_fuser", False):
+        return 256
+    if _get(cfg, "fp8", None):
+        return 32 if "mxfp8" in str(_get(cfg, "fp8_recipe", "")) else 16
+    if _get(cfg, "fp4", None):
+        return 32
+    return 0
+
+
+def dispatch_rows(cfg: Any, path: str, tokens: int) -> tuple[int, str]:
+    """Static row bound of the dispatch output on ``path`` (``hybridep`` or ``alltoall``)."""
+    topk = int(_get(cfg, "moe_router_topk", 2) or 2)
+    experts = int(_get(cfg, "num_moe_experts", 1) or 1)
+    ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
+    local = max(1, experts // ep)
+    pad = bool(_get(cfg, "moe_pad_expert_input_to_capacity", False))
+    factor = _get(cfg, "moe_expert_capacity_factor", None)
+    rank_factor = _get(cfg, "moe_expert_rank_capacity_factor", None)
+    if path == "hybridep" and rank_factor is not None:
+        budget = int(tokens * topk * float(rank_factor))
+        align = _quant_alignment(cfg)
+        if align:
+            budget += -budget % align
+        return budget, f"rank capacity: int({tokens} x {topk} x {rank_factor}) aligned to {align or 1}"
+    if pad and factor is not None:
+        capacity = math.ceil(tokens * topk / experts * float(factor))
+        return capacity * ep * local, f"pad to capacity: {capacity} x EP {ep} x {local} local experts"
+    if path == "alltoall":
+        rows = ep * tokens * min(topk, local)
+        return rows, f"dropless worst case: EP {ep} x {tokens} tokens x min(topk {topk}, {local} local experts)"
+    return 0, "none (set moe_expert_rank_capacity_factor or moe_pad_expert_input_to_capacity)"
+
+
+def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None) -> dict[str, BufferBound]:
+    """Bounds and persistent bytes per enabled buffer (slots x rows x hidden x element size)."""
+    if tokens is None:
+        return {}
+    hidden = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0) or 0)
+    rows, source = dispatch_rows(cfg, path, tokens)
+    etp = int(_get(cfg, "expert_tensor_parallel_size", None) or 1)
+    out = {}
+    for buf in knobs.enabled():
+        r = rows if buf == "dispatch" else rows * etp
+        out[buf] = BufferBound(
+            buffer=buf, rows=r, hidden=hidden, element_size=_element_size(cfg), slots=knobs.slots(buf), source=source
+        )
+    return out
+
+
+def check(*args: Any, **kwargs: Any) -> Any:
+    """See :func:`bufreuse.integrations.requirements.check` (the full checklist, never raises on unmet rows)."""
+    from bufreuse.integrations.requirements import check as _check
+
+    return _check(*args, **kwargs)
+
+
+def validate(*args: Any, **kwargs: Any) -> Any:
+    """See :func:`bufreuse.integrations.requirements.validate` (raises one ``ConfigError`` listing every unmet row)."""
+    from bufreuse.integrations.requirements import validate as _validate
+
+    return _validate(*args, **kwargs)

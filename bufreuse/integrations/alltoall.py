@@ -1,0 +1,154 @@
+"""The NCCL all-to-all path: dispatch output and expert FC2 output written into pool buffers.
+
+Two autograd Functions do the writing; the layer hooks in :mod:`bufreuse.integrations.megatron`
+decide where each buffer is released:
+
+- :class:`RingAllToAll` runs ``all_to_all_single`` straight into a dispatch slot (at EP = 1 the
+  upstream all-to-all is an identity, so the slot is filled by one copy; this proves the hooks,
+  not the memory effect). Backward is the reverse all-to-all into a normal allocation.
+- :class:`CatIntoRing` concatenates the per-expert FC2 outputs into an expert-output slot
+  (replacing ``torch.cat``, which allocated the same bytes). Backward splits the gradient.
+
+Release happens at the final consumer. When that consumer saves the buffer for backward (the
+bf16 expert GEMM reading the dispatch slot directly, one local expert and no TP), the release is
+deferred to the producer Function's backward, which autograd runs only after every consumer's
+backward has read the slot. Costs: one pool acquire/release pair per buffer per layer call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bufreuse.pool import BufferPool, EarlyReuseError
+
+__all__ = ["CatIntoRing", "Held", "RingAllToAll", "acquire_with_hint", "aliases"]
+
+KNOBS = {
+    "dispatch_output": "moe_hybridep_num_dispatch_output_buffers",
+    "expert_fc2_output": "moe_hybridep_num_expert_output_buffers",
+}
+
+
+@dataclass(slots=True)
+class Held:
+    """One acquisition and where it is released."""
+
+    pool: BufferPool
+    name: str
+    tensor: torch.Tensor
+    release_in_backward: bool = False
+    released: bool = False
+
+    def release(self) -> None:
+        """Release on the current stream once (the final reader has been enqueued)."""
+        if not self.released:
+            self.released = True
+            self.pool.release(self.name, self.tensor)
+
+
+def aliases(a: Any, b: torch.Tensor) -> bool:
+    """Whether ``a`` shares storage with ``b`` (pure; by untyped storage pointer)."""
+    if not isinstance(a, torch.Tensor):
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def acquire_with_hint(pool: BufferPool, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``pool.acquire`` whose early-reuse error names the knob to raise."""
+    try:
+        return pool.acquire(name, shape)
+    except EarlyReuseError as e:
+        knob = KNOBS.get(name, "the slot count")
+        raise EarlyReuseError(
+            f"{e} -> raise {knob} to at least {e.min_depth}",
+            ring=e.ring,
+            slot=e.slot,
+            generation=e.generation,
+            min_depth=e.min_depth,
+        ) from e
+
+
+def _splits(x: Any) -> list[int] | None:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in list(x)]
+
+
+class RingAllToAll(torch.autograd.Function):
+    """All-to-all whose output is a pool buffer; the :class:`Held` goes to ``box[0]``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        inp: torch.Tensor,
+        pool: BufferPool,
+        name: str,
+        group: Any,
+        output_splits: Any,
+        input_splits: Any,
+        use_nccl_stream: bool,
+        box: list,
+    ) -> torch.Tensor:
+        out_splits, in_splits = _splits(output_splits), _splits(input_splits)
+        world = group.size() if group is not None else 1
+        rows = sum(out_splits) if out_splits is not None else inp.shape[0]
+        slot = acquire_with_hint(pool, name, (rows, *inp.shape[1:]))
+        if world == 1:
+            slot.copy_(inp)
+        else:
+            work = torch.distributed.all_to_all_single(
+                slot,
+                inp.contiguous(),
+                output_split_sizes=out_splits,
+                input_split_sizes=in_splits,
+                group=group,
+                async_op=use_nccl_stream,
+            )
+            if use_nccl_stream:
+                work.wait()
+        held = Held(pool=pool, name=name, tensor=slot)
+        box.append(held)
+        ctx.held = held
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.world = group, out_splits, in_splits, world
+        return slot
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.world == 1:
+            grad_in = grad
+        else:
+            grad = grad.contiguous()
+            rows = sum(ctx.in_splits) if ctx.in_splits is not None else grad.shape[0]
+            grad_in = grad.new_empty((rows, *grad.shape[1:]))
+            torch.distributed.all_to_all_single(
+                grad_in, grad, output_split_sizes=ctx.in_splits, input_split_sizes=ctx.out_splits, group=ctx.group
+            )
+        if ctx.held.release_in_backward:
+            ctx.held.release()
+        return grad_in, None, None, None, None, None, None, None
+
+
+class CatIntoRing(torch.autograd.Function):
+    """``torch.cat(parts, dim=0)`` written into a pool buffer; the :class:`Held` goes to ``box[0]``."""
+
+    @staticmethod
+    def forward(ctx: Any, pool: BufferPool, name: str, box: list, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = sum(p.shape[0] for p in parts)
+        slot = acquire_with_hint(pool, name, (rows, *parts[0].shape[1:]))
+        torch.cat(parts, dim=0, out=slot)
+        held = Held(pool=pool, name=name, tensor=slot)
+        box.append(held)
+        ctx.held = held
+        ctx.sizes = [p.shape[0] for p in parts]
+        return slot
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.held.release_in_backward:
+            ctx.held.release()
+        return (None, None, None, *torch.split(grad, ctx.sizes, dim=0))

@@ -1,0 +1,250 @@
+"""Build a slot sweep's configurations, write its folder, skip what is finished, launch the rest.
+
+Configuration ids: ``slots0`` (control: record-stream), ``slotsN`` (ring with N slots per buffer),
+``stream-ordered``; suffix ``-graph`` with ``cuda_graph``. A sweep is resumable: re-running the same
+sweep skips every configuration that has a ``metrics.json`` (except ``cancelled`` ones); ``force``
+runs them again. The sweep name defaults to a short hash of the parameters that change results,
+so the same command finds the same folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bufreuse.errors import InputError
+from bufreuse.launch.base import Launcher, ProgressEvent, ProgressFn, clear_results, get_launcher
+from bufreuse.sweepdir import SweepDir, sweeps_root
+
+__all__ = [
+    "BUFFERS",
+    "DEFAULT_PARAMS",
+    "EXTRA_MODES",
+    "SweepResult",
+    "SweepSpec",
+    "build_configs",
+    "default_name",
+    "parse_int_list",
+    "parse_str_list",
+    "run_sweep",
+]
+
+DEFAULT_PARAMS: dict[str, Any] = {
+    "workload": "proxy",
+    "hidden": 4096,
+    "ffn": 2048,
+    "tokens": 32768,
+    "local_experts": 8,
+    "topk": 2,
+    "dtype": "bf16",
+    "microbatches": 12,
+    "steps": 20,
+    "warmup_steps": 3,
+    "record_steps": 2,
+    "comm_ms": 0.5,
+    "attn_gemms": 2,
+    "seed": 1234,
+    "device": "cuda",
+}
+"""Workload parameters of a sweep (DESIGN.md's proxy); every ``config.json`` holds all of them."""
+
+EXTRA_MODES = ("control", "stream-ordered")
+BUFFERS = ("dispatch", "expert")
+_NOT_RESULT_KEYS = ("timeout_s", "stall_s")  # changing these does not change what a finished run measured
+
+
+@dataclass(kw_only=True, slots=True)
+class SweepSpec:
+    """What to sweep (``bufreuse sweep`` options)."""
+
+    slots: list[int] = field(default_factory=lambda: [0, 4, 10])
+    """Ring slots per buffer; 0 is the control (record-stream)."""
+    modes: list[str] = field(default_factory=list)
+    """Modes added to the slot configurations: ``stream-ordered`` and/or ``control``."""
+    buffers: list[str] = field(default_factory=lambda: list(BUFFERS))
+    """Buffers that take the ring / stream-ordered policy (others stay record-stream)."""
+    cuda_graph: bool = False
+    """Capture the whole step as a CUDA graph after warm-up and time replays."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Overrides of :data:`DEFAULT_PARAMS` (hidden, tokens, comm_ms, ...)."""
+    world_size: int | None = None
+    """Processes per configuration; None lets the launcher choose (local: every visible GPU)."""
+    timeout_s: float = 600.0
+    """Per-configuration limit; a run past it is killed and recorded as ``timeout``."""
+    name: str | None = None
+    """Sweep folder name; default ``proxy-<hash of the parameters>``."""
+    root: str | None = None
+    """Folder holding sweeps (default ``$BUFREUSE_SWEEPS`` or ``./bufreuse-sweeps``)."""
+    force: bool = False
+    """Run every configuration again, finished or not."""
+
+    def validate(self) -> None:
+        if not self.slots and not self.modes:
+            raise InputError("--slots: give at least one slot count (0 is the control)")
+        if any(s < 0 for s in self.slots):
+            raise InputError(f"--slots {self.slots}: slot counts must be >= 0")
+        bad = [m for m in self.modes if m not in EXTRA_MODES]
+        if bad:
+            raise InputError(f"--modes {','.join(bad)}: choose from {', '.join(EXTRA_MODES)}")
+        bad = [b for b in self.buffers if b not in BUFFERS]
+        if bad or not self.buffers:
+            raise InputError(f"--buffers {','.join(self.buffers)}: choose one or both of {', '.join(BUFFERS)}")
+        unknown = sorted(set(self.params) - set(DEFAULT_PARAMS))
+        if unknown:
+            raise InputError(f"unknown sweep parameter(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_PARAMS)}")
+        p = {**DEFAULT_PARAMS, **self.params}
+        for key in ("hidden", "ffn", "tokens", "local_experts", "topk", "microbatches", "steps"):
+            if int(p[key]) < 1:
+                raise InputError(f"--{key.replace('_', '-')} {p[key]}: must be >= 1")
+        if float(p["comm_ms"]) < 0:
+            raise InputError(f"--comm-ms {p['comm_ms']}: must be >= 0")
+        if self.timeout_s <= 0:
+            raise InputError(f"--timeout {self.timeout_s}: must be > 0")
+        if self.world_size is not None and self.world_size < 1:
+            raise InputError(f"--world-size {self.world_size}: must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class SweepResult:
+    """What a launch did; the results themselves are in the folder (``analysis.sweep_table``)."""
+
+    folder: str
+    """The sweep folder."""
+    config_ids: list[str]
+    """This sweep's configurations, in table order."""
+    ran: list[str]
+    """Configurations launched this time."""
+    skipped: list[str]
+    """Configurations already finished and not rerun."""
+    statuses: dict[str, str]
+    """State of each configuration after the launch (``ok``, ``failed``, ..., ``pending`` if in flight)."""
+    launcher: str
+    """Launcher name."""
+
+
+def build_configs(spec: SweepSpec, *, world_size: int = 1) -> dict[str, dict[str, Any]]:
+    """``config.json`` contents by configuration id, in table order (control, rings, stream-ordered)."""
+    params = {**DEFAULT_PARAMS, **spec.params}
+    suffix = "-graph" if spec.cuda_graph else ""
+    entries: list[tuple[str, str, int]] = []
+    slot_set = sorted(set(spec.slots) | ({0} if "control" in spec.modes else set()))
+    for s in slot_set:
+        entries.append((f"slots{s}", "control" if s == 0 else "ring", s))
+    if "stream-ordered" in spec.modes:
+        entries.append(("stream-ordered", "stream-ordered", 0))
+    out: dict[str, dict[str, Any]] = {}
+    for cid, mode, slots in entries:
+        out[cid + suffix] = {
+            **params,
+            "mode": mode,
+            "slots": slots,
+            "buffers": list(spec.buffers),
+            "cuda_graph": spec.cuda_graph,
+            "world_size": world_size,
+            "timeout_s": spec.timeout_s,
+        }
+    return out
+
+
+def default_name(spec: SweepSpec, world_size: int) -> str:
+    key = {**DEFAULT_PARAMS, **spec.params, "buffers": sorted(spec.buffers), "world_size": world_size}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{key['workload']}-{digest}"
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    keys = (set(old) | set(new)) - set(_NOT_RESULT_KEYS)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(keys) if old.get(k) != new.get(k)]
+
+
+def run_sweep(
+    spec: SweepSpec,
+    *,
+    launcher: str | Launcher = "local",
+    launcher_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> SweepResult:
+    """Write the sweep folder, skip finished configurations, run the rest with ``launcher``."""
+    spec.validate()
+    runner = get_launcher(launcher, **(launcher_options or {})) if isinstance(launcher, str) else launcher
+    world = spec.world_size
+    if world is None:
+        pick = getattr(runner, "default_world_size", None)
+        world = int(pick()) if callable(pick) and spec.params.get("device", "cuda") == "cuda" else 1
+    configs = build_configs(spec, world_size=world)
+    sweep = SweepDir(sweeps_root(spec.root) / (spec.name or default_name(spec, world)))
+    known: list[str] = []
+    created = not sweep.folder.exists()
+    if sweep.exists():
+        manifest = sweep.read_manifest()
+        known = [str(c) for c in manifest["configs"]]
+        if not spec.force:
+            for cid, config in configs.items():
+                if cid in known and sweep.paths(cid).config.is_file():
+                    diff = _differences(sweep.read_config(cid), config)
+                    if diff:
+                        raise InputError(
+                            f"sweep {sweep.folder} already has {cid} with other parameters ({'; '.join(diff[:3])}); "
+                            "use another --name, or --force to replace it"
+                        )
+    else:
+        manifest = {"name": sweep.folder.name}
+    ids = list(configs)
+    manifest.update(
+        name=sweep.folder.name,
+        launcher=runner.name,
+        configs=known + [c for c in ids if c not in known],
+        params={**DEFAULT_PARAMS, **spec.params, "buffers": list(spec.buffers), "world_size": world},
+    )
+    sweep.folder.mkdir(parents=True, exist_ok=True)
+    for cid, config in configs.items():
+        sweep.write_config(cid, config)
+    sweep.write_manifest(manifest)
+
+    skipped, to_run = [], []
+    for cid in ids:
+        m = sweep.paths(cid).read_metrics()
+        (to_run if spec.force or m is None or m["status"] == "cancelled" else skipped).append(cid)
+    for n, cid in enumerate(skipped):
+        if progress:
+            progress(ProgressEvent(config_id=cid, state="skipped", done=n + 1, total=len(ids)))
+    if to_run:
+        try:
+            runner.prepare(sweep, to_run)
+        except BaseException:
+            if created:  # leave no empty sweep behind when nothing could run
+                shutil.rmtree(sweep.folder, ignore_errors=True)
+            raise
+        for cid in to_run:
+            clear_results(sweep.paths(cid))
+        offset = len(skipped)
+
+        def shifted(ev: ProgressEvent) -> None:
+            if progress:
+                progress(ProgressEvent(**{**asdict(ev), "done": ev.done + offset, "total": len(ids)}))
+
+        runner.launch(sweep, to_run, progress=shifted)
+    states = runner.status(sweep)
+    return SweepResult(
+        folder=str(sweep.folder),
+        config_ids=ids,
+        ran=to_run,
+        skipped=skipped,
+        statuses={cid: states.get(cid, "pending") for cid in ids},
+        launcher=runner.name,
+    )
+
+
+def parse_int_list(text: str, option: str) -> list[int]:
+    """``"0,4,10"`` → ``[0, 4, 10]``; the error names the option."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{option} {text!r}: expected comma-separated integers like 0,4,10") from None
+
+
+def parse_str_list(text: str | None) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]

@@ -1,0 +1,249 @@
+"""The megatron-core hooks on CPU, against a real ``MoELayer`` (gloo, world size 1).
+
+megatron's router moves its weight to CUDA and the dropless all-to-all dispatcher synchronises
+through a CUDA stream, so on CPU the layer is driven through its own methods (preprocess,
+dispatch, routed_experts_compute, combine, postprocess) with a fixed routing, in pad-to-capacity
+mode (no device-to-host sync). The dispatcher's class-level side stream is replaced by a
+placeholder for the duration of the module (restored after). The GPU suite runs the full layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from bufreuse.config import BufReuseConfig  # noqa: E402
+from bufreuse.errors import ConfigError  # noqa: E402
+from bufreuse.integrations.alltoall import Held, RingAllToAll, acquire_with_hint  # noqa: E402
+from bufreuse.integrations.megatron import _skip_ring_forced_release, install  # noqa: E402
+from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError  # noqa: E402
+
+HIDDEN, SEQ, MBS = 32, 8, 2
+TOKENS = SEQ * MBS
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    old = D.cuda_dtoh_stream
+    D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+    yield
+    D.cuda_dtoh_stream = old
+    ps.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def _layer(num_experts: int, dispatcher: str = "alltoall"):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    topk = min(2, num_experts)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=topk == 1,
+        moe_token_dispatcher_type=dispatcher,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+    )
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+
+
+def _forward(layer, x):
+    n = layer.config.num_moe_experts
+    g = torch.Generator().manual_seed(1)
+    top = torch.softmax(torch.randn(x.shape[0] * x.shape[1], n, generator=g), -1).topk(layer.config.moe_router_topk)
+    routing = torch.zeros(top.values.shape[0], n, dtype=torch.bool).scatter(1, top.indices, True)
+    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values)
+    h, p = layer.preprocess(x, probs, routing)
+    d, p = layer.dispatch(h, p)
+    out, _ = layer.routed_experts_compute(d, p)
+    return layer.postprocess(layer.combine(out), None)
+
+
+def _interleaved(layer, xs):
+    """F0 F1 B0 F2 B1 B2: two microbatches in flight."""
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    outs = {}
+    for step in ("F0", "F1", "B0", "F2", "B1", "B2"):
+        i = int(step[1])
+        if step[0] == "F":
+            outs[i] = _forward(layer, leaves[i])
+        else:
+            outs[i].backward(torch.full_like(outs[i], 0.5 + i))
+    return [outs[i].detach() for i in range(3)], [x.grad for x in leaves]
+
+
+def _knobs(slots: int = 2, policy: str = "ring") -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers=slots,
+        moe_hybridep_num_expert_output_buffers=slots,
+        moe_bufreuse_dispatch_policy=policy,
+        moe_bufreuse_expert_policy=policy,
+    )
+
+
+@pytest.mark.parametrize("num_experts", [8, 1])
+def test_install_matches_control_interleaved(parallel, num_experts: int) -> None:
+    layer = _layer(num_experts)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref_out, ref_grad = _interleaved(layer, xs)
+    ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(), tokens=TOKENS), pool.autograd_guard():
+        out, grad = _interleaved(layer, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref_grad, grad, strict=True))
+    got_params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    assert got_params.keys() == ref_params.keys() and ref_params
+    assert all(torch.equal(got_params[n], g) for n, g in ref_params.items())
+    stats = pool.stats()
+    assert {s.acquisitions for s in stats.values()} == {3} and {s.releases for s in stats.values()} == {3}
+    # pad mode at EP = 1: the local-expert sort is a no-op view, so the experts read the dispatch
+    # slot directly and their (fp32/bf16) GEMMs save it: held until its backward, two in flight.
+    assert stats["dispatch_output"].peak_held == 2
+    # the FC2 slot's final reader is then the unpermute, which may save it (index_add_ under
+    # deterministic algorithms): also released after its backward.
+    assert stats["expert_fc2_output"].peak_held == 2
+
+
+@pytest.mark.parametrize("policy", ["stream-ordered", "record-stream"])
+def test_install_allocator_policies_match_control(parallel, policy: str) -> None:
+    layer = _layer(8)
+    x = torch.randn(SEQ, MBS, HIDDEN)
+    ref = _forward(layer, x).detach()
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(0, policy), tokens=TOKENS):
+        got = _forward(layer, x)
+    assert torch.equal(ref, got.detach())
+    assert pool.persistent_bytes() == 0 and pool.stats()["dispatch_output"].releases == 1
+
+
+def test_uninstall_restores_everything(parallel) -> None:
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import ChunkOffloadHandler
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    layer = _layer(8)
+    before = (ScheduleNode.__dict__["_forward"], ChunkOffloadHandler.__dict__["bulk_offload"])
+    inst = install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    assert "token_dispatch" in vars(layer.token_dispatcher) and "forward" in vars(layer.experts)
+    assert ScheduleNode.__dict__["_forward"] is not before[0]
+    with pytest.raises(ConfigError, match="already installed"):
+        install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    inst.uninstall()
+    inst.uninstall()  # idempotent
+    assert not {"token_dispatch", "dispatch_postprocess", "token_combine"} & set(vars(layer.token_dispatcher))
+    assert "forward" not in vars(layer.experts) and "routed_experts_compute" not in vars(layer)
+    assert (ScheduleNode.__dict__["_forward"], ChunkOffloadHandler.__dict__["bulk_offload"]) == before
+
+
+def test_install_refuses_other_dispatchers(parallel) -> None:
+    layer = _layer(8, dispatcher="allgather")
+    with pytest.raises(ConfigError, match="MoEAlltoAllTokenDispatcher"):
+        install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+
+
+def test_schedule_node_free_input_skips_ring_storage(parallel) -> None:
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    class CpuNode(ScheduleNode):  # the real node, minus the CUDA stream context
+        @contextlib.contextmanager
+        def stream_acquire_context(self, name=None):
+            yield
+
+    def node() -> ScheduleNode:
+        return CpuNode(lambda t: t * 2, None, None, free_input=True)
+
+    pool = BufferPool("cpu")
+    with install(_layer(8), pool, _knobs(), tokens=TOKENS):
+        slot = pool.acquire("dispatch_output", (4, HIDDEN))
+        slot.fill_(1.0)
+        out = node().forward((slot,))
+        assert slot.untyped_storage().size() > 0 and bool((slot == 1).all()) and bool((out == 2).all())
+        pool.release("dispatch_output", slot)
+    victim_pool = BufferPool("cpu")
+    victim_pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(4, HIDDEN), dtype=torch.float32)
+    victim = victim_pool.acquire("dispatch_output")
+    with pytest.raises(RuntimeError):  # unhooked megatron calls record_stream/resize_ on the slot
+        node().forward((victim,))
+
+
+def test_offload_forced_release_filters_ring_storage() -> None:
+    pool = BufferPool("cpu")
+    pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(4, 8), dtype=torch.float32)
+    slot, plain = pool.acquire("dispatch_output"), torch.zeros(4, 8)
+    seen = []
+    wrapped = _skip_ring_forced_release(pool.is_ring_storage)(lambda self, *a, **k: seen.append((a, k)))
+    wrapped(None, "fused_group_mlp", [slot, plain])  # 0.19 signature (name, tensors)
+    wrapped(None, [slot, plain])  # 0.16 signature (tensors)
+    wrapped(None, "expert_fc1", forced_released_tensors=[slot, plain])
+    kept = [k.get("forced_released_tensors", a[-1] if a else None) for a, k in seen]
+    assert all(len(t) == 1 and t[0] is plain for t in kept)
+    assert pool.owns("dispatch_output", slot)  # the probe changed no ring state
+
+
+def test_forward_release_of_saved_slot_trips_guard() -> None:
+    pool = BufferPool("cpu")
+    pool.register("dispatch_output", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(8, 4, requires_grad=True)
+    box: list[Held] = []
+    with pool.autograd_guard():
+        y = RingAllToAll.apply(x, pool, "dispatch_output", None, None, None, False, box)
+        z = y @ w  # saves y (ring storage) for backward, like a bf16 expert GEMM
+        with pytest.raises(SavedForBackwardError):
+            box[0].release()
+        box[0].released = False
+        box[0].release_in_backward = True
+        z.sum().backward()
+    assert box[0].released and pool.stats()["dispatch_output"].releases == 1
+
+
+def test_early_reuse_error_names_the_knob() -> None:
+    pool = BufferPool("cpu")
+    pool.register("expert_fc2_output", policy="ring", num_slots=1, max_shape=(8, 4), dtype=torch.float32)
+    acquire_with_hint(pool, "expert_fc2_output", (8, 4))
+    with pytest.raises(EarlyReuseError, match="moe_hybridep_num_expert_output_buffers to at least 2"):
+        acquire_with_hint(pool, "expert_fc2_output", (8, 4))
+
+
+def test_install_deterministic_unpermute_defers_fc2_release(parallel) -> None:
+    """Under deterministic algorithms the unpermute's index_add_ saves the FC2 slot (seen on the H200)."""
+    layer = _layer(1)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref_out, ref_grad = _interleaved(layer, xs)
+        pool = BufferPool("cpu")
+        with install(layer, pool, _knobs(), tokens=TOKENS), pool.autograd_guard():
+            out, grad = _interleaved(layer, xs)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
+    assert pool.stats()["expert_fc2_output"].peak_held == 2

@@ -1,0 +1,215 @@
+"""GPU tests of the pool (run on the H200 with ``bash scripts/gpu-tests.sh tests/test_pool_gpu.py``).
+
+(a) slow consumer / fast producer: every consumer reads what its producer wrote, acquire never syncs;
+(b) eager warm-up -> capture of a whole two-ring, two-stream step -> replays == eager -> eager again;
+(c) early reuse raises before any kernel is enqueued (a sentinel in the slot stays intact);
+(d) K forwards then K backwards through a bf16 linear fed from an N < K ring: the release point matters;
+(e) the debug watchdog names the ring and slot of a wait that does not finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bufreuse.pool import BufferPool, BufferRing, EarlyReuseError, SavedForBackwardError
+
+pytestmark = pytest.mark.gpu
+
+_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep spins in clock cycles; the H200 runs near 2 GHz
+
+
+@pytest.fixture
+def dev() -> torch.device:
+    torch.cuda.synchronize()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def test_slow_consumer_reads_what_its_producer_wrote(dev):
+    rounds, rows, cols = 100, 256, 256
+    ring = BufferRing("dispatch_output", 2, (rows, cols), torch.float32, dev)
+    producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    sums = torch.zeros(rounds, device=dev)
+    written = [torch.cuda.Event() for _ in range(rounds)]
+    busy_at_acquire = 0
+    for stream in (producer, consumer):  # load the kernels once so the timed loop measures enqueueing only
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1)
+            sums[0] = torch.ones(rows, cols, device=dev).fill_(1.0).sum()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(rounds):
+        slot = ring._slots[ring.cursor]
+        if slot.wait_on is not None and not slot.wait_on.query():
+            busy_at_acquire += 1  # the previous consumer of this slot has not finished on the GPU
+        buf = ring.acquire((rows, cols), producer)
+        with torch.cuda.stream(producer):
+            buf.fill_(float(i + 1))  # fast producer
+            written[i].record(producer)
+        consumer.wait_event(written[i])
+        with torch.cuda.stream(consumer):
+            torch.cuda._sleep(_CYCLES_PER_MS)  # slow consumer: ~1 ms before it reads
+            sums[i] = buf.sum()
+        ring.release(buf, consumer)
+    host_s = time.perf_counter() - start
+    still_busy = not consumer.query()
+    torch.cuda.synchronize()
+    expected = torch.arange(1, rounds + 1, device=dev, dtype=torch.float32) * rows * cols
+    assert torch.equal(sums, expected), "a consumer read a slot its next producer had already overwritten"
+    assert still_busy and busy_at_acquire >= rounds // 2, (still_busy, busy_at_acquire)
+    assert host_s < rounds * 1e-3 / 2, f"host loop took {host_s:.3f} s: acquire waited on the host"
+    assert ring.stats.gpu_waits == rounds - 2 and ring.stats.peak_held == 1
+
+
+def _step(pool: BufferPool, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, comm, comp) -> None:
+    """One MoE-like step of 4 microbatches: dispatch on comm, experts on comp, combine on comm."""
+    cur = torch.cuda.current_stream()
+    comm.wait_stream(cur)
+    comp.wait_stream(cur)
+    for m in range(x.shape[0]):
+        d = pool.acquire("dispatch_output", x.shape[1:], comm)
+        with torch.cuda.stream(comm):
+            torch.mul(x[m], 0.5, out=d)  # dispatch writes the ring slot
+        comp.wait_stream(comm)
+        y = pool.acquire("expert_fc2_output", (x.shape[1], w.shape[1]), comp)
+        with torch.cuda.stream(comp):
+            torch.matmul(d, w, out=y)  # experts: final read of d, write y
+        pool.release("dispatch_output", d, comp)
+        comm.wait_stream(comp)
+        with torch.cuda.stream(comm):
+            torch.add(y, float(m), out=out[m])  # combine: final read of y
+        pool.release("expert_fc2_output", y, comm)
+    cur.wait_stream(comm)
+    cur.wait_stream(comp)
+
+
+def test_capture_whole_step_replays_equal_eager_then_eager_again(dev):
+    micro, tokens, hidden = 4, 512, 256
+    pool = BufferPool(dev)
+    pool.register("dispatch_output", policy="ring", num_slots=2, max_shape=(tokens, hidden), dtype=torch.float32)
+    pool.register("expert_fc2_output", policy="ring", num_slots=2, max_shape=(tokens, hidden), dtype=torch.float32)
+    comm, comp = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    inputs = [torch.randn(micro, tokens, hidden, device=dev, generator=gen) for _ in range(8)]
+    w = torch.randn(hidden, hidden, device=dev, generator=gen)
+    x = torch.empty_like(inputs[0])
+    out = torch.empty(micro, tokens, hidden, device=dev)
+
+    expected = []
+    for inp in inputs:  # eager reference (and the eager warm-up: 8 >= 2 steps)
+        x.copy_(inp)
+        _step(pool, x, w, out, comm, comp)
+        expected.append(out.clone())
+    torch.cuda.synchronize()
+
+    graph, capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    with pool.graph_capture(capture_stream), torch.cuda.graph(graph, stream=capture_stream):
+        _step(pool, x, w, out, comm, comp)
+    for r in range(5):
+        x.copy_(inputs[r])
+        graph.replay()
+        assert torch.equal(out, expected[r]), f"replay {r} differs from eager"
+    pool.after_replay(torch.cuda.current_stream())
+    for r in (5, 6):
+        x.copy_(inputs[r])
+        _step(pool, x, w, out, comm, comp)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected[r]), f"eager step {r} after the replays differs"
+    stats = pool.stats()
+    assert stats["dispatch_output"].peak_held <= 2 and stats["dispatch_output"].gpu_waits > 0
+
+
+def test_early_reuse_raises_before_any_kernel(dev):
+    ring = BufferRing("dispatch_output", 1, (64, 64), torch.float32, dev)
+    producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    held = ring.acquire(None, producer)
+    with torch.cuda.stream(producer):
+        held.fill_(7.0)  # sentinel
+    waits = ring.stats.gpu_waits
+
+    def produce_next() -> None:
+        buf = ring.acquire(None, producer)
+        with torch.cuda.stream(producer):
+            buf.fill_(-1.0)  # must never be enqueued
+
+    with pytest.raises(EarlyReuseError) as info:
+        produce_next()
+    torch.cuda.synchronize()
+    assert bool((held == 7.0).all()), "the slot was overwritten"
+    assert (info.value.slot, info.value.generation, info.value.min_depth) == (0, 1, 2)
+    assert ring.stats.gpu_waits == waits and ring.held == 1
+    ring.release(held, consumer)
+
+
+def _k_forwards_k_backwards(dev, *, guard: bool, release_after_backward: bool, k: int = 4, n: int = 2):
+    """K microbatch forwards through a bf16 linear reading a dispatch slot, then K backwards."""
+    tokens, hidden = 256, 128
+    gen = torch.Generator(device=dev).manual_seed(1)
+    xs = [torch.randn(tokens, hidden, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(k)]
+    grads = [torch.randn(tokens, hidden, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(k)]
+    weight = torch.randn(hidden, hidden, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    pool = BufferPool(dev)
+    pool.register("dispatch_output", policy="ring", num_slots=n, max_shape=(tokens, hidden), dtype=torch.bfloat16)
+    comm, comp = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
+    comm.wait_stream(comp)
+    outs, bufs = [], []
+    with pool.autograd_guard() if guard else contextlib.nullcontext():
+        for i in range(k):
+            d = pool.acquire("dispatch_output", (tokens, hidden), comm)
+            # A dispatch kernel writes the slot by pointer (DeepEP, TE out=): no version-counter bump.
+            with torch.cuda.stream(comm), torch.autograd._unsafe_preserve_version_counter(d):
+                d.copy_(xs[i])
+            comp.wait_stream(comm)
+            outs.append(F.linear(d, weight))  # saves d (a view of the slot) for grad of weight
+            bufs.append(d)
+            if not release_after_backward:
+                pool.release("dispatch_output", d, comp)  # the wrong release point: right after the forward
+    for i in range(k):
+        outs[i].backward(grads[i])
+        if release_after_backward:
+            pool.release("dispatch_output", bufs[i], comp)
+    torch.cuda.synchronize()
+    reference = sum(g.float().T @ x.float() for g, x in zip(grads, xs, strict=True))
+    overwritten = sum(grads[i].float().T @ xs[i + n * ((k - 1 - i) // n)].float() for i in range(k))
+    return weight.grad.float(), reference, overwritten
+
+
+def test_bf16_linear_from_small_ring_release_point_matters(dev):
+    """Autograd is a reader: a bf16 linear saves its input (a slot view) for backward. Releasing the slot
+    after the forward lets microbatch i + N overwrite what backward i reads. The guard refuses that
+    release; without the guard the weight gradient is silently computed from the later microbatches."""
+    with pytest.raises(SavedForBackwardError, match="slot 0 generation 1"):
+        _k_forwards_k_backwards(dev, guard=True, release_after_backward=False)
+
+    wrong, reference, overwritten = _k_forwards_k_backwards(dev, guard=False, release_after_backward=False)
+    tol = {"rtol": 2e-2, "atol": 2.0}
+    assert not torch.allclose(wrong, reference, **tol), "gradients survived an overwrite?"
+    assert torch.allclose(wrong, overwritten, **tol), "backward i should have read microbatch i + N"
+
+    right, reference, _ = _k_forwards_k_backwards(dev, guard=True, release_after_backward=True, n=4)
+    assert torch.allclose(right, reference, **tol)
+
+
+def test_debug_watchdog_names_ring_and_slot_of_stuck_wait(dev):
+    pool = BufferPool(dev, debug=True, watchdog_s=0.05)
+    pool.register("expert_fc2_output", policy="ring", num_slots=1, max_shape=(64, 64), dtype=torch.float32)
+    producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    buf = pool.acquire("expert_fc2_output", (64, 64), producer)
+    consumer.wait_stream(producer)
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(400 * _CYCLES_PER_MS)  # a consumer that takes ~0.4 s
+    pool.release("expert_fc2_output", buf, consumer)
+    again = pool.acquire("expert_fc2_output", (64, 64), producer)  # GPU wait on the slow consumer
+    deadline = time.monotonic() + 5
+    while not pool.watchdog.reports and time.monotonic() < deadline:
+        time.sleep(0.01)
+    torch.cuda.synchronize()
+    pool.release("expert_fc2_output", again, producer)
+    pool.close()
+    assert pool.watchdog.reports, "the watchdog did not report a 0.4 s wait with a 0.05 s threshold"
+    report = pool.watchdog.reports[0]
+    assert "ring 'expert_fc2_output'" in report and "slot 0" in report and "generation 1" in report

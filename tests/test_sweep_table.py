@@ -1,0 +1,101 @@
+"""Sweep rows, table and plots from recorded metrics (no torch needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from matplotlib.figure import Figure
+from rich.console import Console
+
+from bufreuse.analysis.sweep_table import (
+    PLOT_FILES,
+    checksum_mismatches,
+    load_sweep_rows,
+    plot_reserved,
+    plot_step_time,
+    rows_from_metrics,
+    sweep_table,
+    write_sweep_plots,
+)
+from bufreuse.fsutil import atomic_write_json
+from bufreuse.sweepdir import SweepDir
+
+MIB = 1 << 20
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "sweep-h200"
+
+
+def _m(mode: str, slots: int, reserved_mib: int, step: float, *, graph: bool = False, checksum: str = "abc") -> dict:
+    return {
+        "status": "ok",
+        "error": None,
+        "config": {"mode": mode, "slots": slots, "cuda_graph": graph},
+        "max_reserved_bytes": reserved_mib * MIB,
+        "max_allocated_bytes": 1264 * MIB,
+        "pending_free_at_max_active_bytes": 4352 * MIB if mode == "control" else 0,
+        "step_ms": {"median": step, "p10": step - 0.1, "p90": step + 0.1},
+        "tflops": 400.0,
+        "checksum": checksum,
+    }
+
+
+def _rows() -> list:
+    return rows_from_metrics(
+        {
+            "slots0": _m("control", 0, 5672, 36.0),
+            "slots4": _m("ring", 4, 3112, 36.36),
+            "stream-ordered": _m("stream-ordered", 0, 1444, 39.6),
+            "slots0-graph": _m("control", 0, 6000, 30.0, graph=True),
+            "slots4-graph": _m("ring", 4, 3200, 30.3, graph=True),
+            "slots10": None,
+        }
+    )
+
+
+def test_rows_deltas_against_matching_control() -> None:
+    rows = {r.config_id: r for r in _rows()}
+    assert rows["slots4"].reserved_delta_bytes == (3112 - 5672) * MIB
+    assert rows["slots4"].step_delta_pct == pytest.approx(1.0)
+    assert rows["stream-ordered"].step_delta_pct == pytest.approx(10.0)
+    assert rows["slots4-graph"].reserved_delta_bytes == (3200 - 6000) * MIB  # against the graph control
+    assert rows["slots10"].status == "pending" and rows["slots10"].mode == "ring" and rows["slots10"].slots == 10
+
+
+def test_checksum_mismatch_names_groups() -> None:
+    rows = rows_from_metrics({"slots0": _m("control", 0, 1, 1.0), "slots2": _m("ring", 2, 1, 1.0, checksum="zzz")})
+    assert checksum_mismatches(rows) == {"abc": ["slots0"], "zzz": ["slots2"]}
+    assert checksum_mismatches(_rows()) == {}
+
+
+def test_table_renders_deltas_and_pending() -> None:
+    console = Console(record=True, width=200)
+    console.print(sweep_table(_rows(), title="t"))
+    text = console.export_text()
+    assert "-2,560" in text and "+1.0%" in text and "+10.0%" in text and "pending" in text and "4,352" in text
+
+
+def test_plots_are_figures_with_series(tmp_path: Path) -> None:
+    fig = plot_reserved(_rows())
+    assert isinstance(fig, Figure)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["control / ring", "stream-ordered", "control / ring (graph)"]
+    assert isinstance(plot_step_time([]), Figure)  # nothing finished: an empty plot, no error
+    paths = write_sweep_plots(tmp_path, _rows())
+    assert [p.name for p in paths] == list(PLOT_FILES)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_load_sweep_rows_reads_folder_in_manifest_order(tmp_path: Path) -> None:
+    sweep = SweepDir(tmp_path / "s")
+    sweep.write_manifest({"name": "s", "configs": ["slots0", "slots2"]})
+    atomic_write_json(sweep.paths("slots2").metrics, _m("ring", 2, 2088, 36.3))
+    rows = load_sweep_rows(sweep.folder)
+    assert [(r.config_id, r.status) for r in rows] == [("slots0", "pending"), ("slots2", "ok")]
+
+
+@pytest.mark.skipif(not (EXAMPLES / "manifest.json").is_file(), reason="examples/sweep-h200 not recorded yet")
+def test_recorded_h200_example_sweep_reads() -> None:
+    rows = {r.config_id: r for r in load_sweep_rows(EXAMPLES)}
+    assert rows["slots0"].status == "ok" and rows["slots4"].reserved_delta_bytes < 0
+    assert not checksum_mismatches(list(rows.values()))
+    assert rows["slots4"].pending_free_bytes is not None
