@@ -175,16 +175,20 @@ def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:
 def _parse_args_text(text: str, path: Path) -> dict[str, Any]:
     import shlex
 
-    tokens = [t for line in text.splitlines() for t in shlex.split(line, comments=True) if t != "\\"]
+    text = text.replace("\\\n", " ")  # shell line continuations
+    try:
+        tokens = [t for line in text.splitlines() for t in shlex.split(line, comments=True)]
+    except ValueError as e:
+        raise InputError(f"{path}: cannot split into arguments: {e}") from None
     out: dict[str, Any] = {}
     i = 0
     while i < len(tokens):
         tok = tokens[i]
         if not tok.startswith("--"):
             raise InputError(f"{path}: expected --flag, got {tok!r}")
-        key = tok[2:].replace("-", "_")
-        if "=" in key:
-            key, _, val = key.partition("=")
+        key, eq, val = tok[2:].partition("=")
+        key = key.replace("-", "_")
+        if eq:
             out[key] = _scalar(val)
             i += 1
         elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):

@@ -71,7 +71,7 @@ class Sim:
         self.series.append((self.reserved, sum(self.live.values()), sum(self.pending.values())))
 
     def op(self, kind: int, size: int, stream: int) -> None:
-        """kind 0 alloc, 1 free (immediate), 2 free via pending, 3 complete a pending, 4 empty_cache."""
+        """kind 0 alloc, 1 plain free, 2 free through the pending queue, 3 complete a pending free, 4 empty_cache."""
         if kind == 0:
             seg = -(-size // SEG) * SEG
             addr = next((a for a, s in self.cached.items() if s == seg), None)
@@ -86,12 +86,18 @@ class Sim:
         elif kind in (1, 2) and self.live:
             addr = sorted(self.live)[size % len(self.live)]
             sz = self.live.pop(addr)
+            if kind == 1:  # a plain free: requested and completed back to back, never pending
+                self._emit(entry("free_requested", addr, sz, stream))
+                self.cached[addr] = -(-sz // SEG) * SEG
+                self._emit(entry("free_completed", addr, sz, stream))
+                return
             self.pending[addr] = sz
             self._emit(entry("free_requested", addr, sz, stream))
-            if kind == 1:
-                self.op(3, addr, stream)
         elif kind == 3 and self.pending:
             addr = size if size in self.pending else sorted(self.pending)[size % len(self.pending)]
+            if self.trace[-1]["action"] == "free_requested" and self.trace[-1]["addr"] == addr:
+                # back to back reads as a plain free; torch always has other entries in between
+                self._emit(entry("snapshot", 0, 0, stream))
             sz = self.pending.pop(addr)
             self.cached[addr] = -(-sz // SEG) * SEG
             self._emit(entry("free_completed", addr, sz, stream))

@@ -73,7 +73,8 @@ def test_cli_compare_slot_mib_explains_allocated(tmp_path: Path) -> None:
         ([str(LOGS / "empty.log")], "empty log"),
         ([str(LOGS / "no-iterations.log")], "no Megatron iteration lines"),
         (["slots7"], "unknown label"),
-        (["missing-folder/run"], "unknown label"),
+        (["missing-folder/run"], "missing-folder/run: no such file or folder"),
+        (["slurm-404.out"], "slurm-404.out: no such file or folder"),
         (["--slot-mib", "expert=x", "feature"], "--slot-mib"),
     ],
 )

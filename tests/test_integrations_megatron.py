@@ -155,10 +155,15 @@ def test_uninstall_restores_everything(parallel) -> None:
     assert ScheduleNode.__dict__["_forward"] is not before[0]
     with pytest.raises(ConfigError, match="already installed"):
         install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    second = install(_layer(8), BufferPool("cpu"), _knobs(), tokens=TOKENS)  # another model chunk
     inst.uninstall()
+    assert ScheduleNode.__dict__["_forward"] is not before[0]  # still needed by the second chunk
+    second.uninstall()
     inst.uninstall()  # idempotent
     assert not {"token_dispatch", "dispatch_postprocess", "token_combine"} & set(vars(layer.token_dispatcher))
-    assert "forward" not in vars(layer.experts) and "routed_experts_compute" not in vars(layer)
+    assert "forward" not in vars(layer.experts) and not {"routed_experts_compute", "_bufreuse_hooked"} & set(
+        vars(layer)
+    )
     assert (ScheduleNode.__dict__["_forward"], ChunkOffloadHandler.__dict__["bulk_offload"]) == before
 
 

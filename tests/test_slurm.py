@@ -158,6 +158,7 @@ def test_megatron_template_passes_knobs_from_slots(tmp_path: Path) -> None:
         assert "--record-memory-history --memory-snapshot-path" in script
         assert "--nnodes=2 --nproc-per-node=8" in script and "'Null Tokenizer'" in script
         assert "--container-image=nvcr.io/nvidia/pytorch:26.01-py3" in script and "#SBATCH --exclusive" in script
+        assert "\nPYTHON=python\n" in script  # the container's interpreter, not this machine's
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     assert "moe-hybridep" not in control
     assert ("--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 4 "
@@ -258,3 +259,19 @@ def test_cli_hostile_site_value_exits_2_and_runs_nothing(tmp_path: Path, option:
                                           "--root", str(tmp_path), option, value, "--dry-run"])  # fmt: skip
         assert result.exit_code == 2 and option in result.output
     assert not canary.exists()
+
+
+def test_wait_gives_up_after_repeated_poll_failures(tmp_path: Path) -> None:
+    from bufreuse.errors import SubmissionError
+    from bufreuse.fsutil import atomic_write_json
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "squeue").write_text("#!/bin/sh\necho 'squeue: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    (fake / "squeue").chmod(0o755)
+    sweep = make_sweep(tmp_path / "w", {"slots0": {}})
+    atomic_write_json(sweep.paths("slots0").job, {"job_id": "5", "state": "queued"})
+    launcher = SlurmLauncher(commands=SlurmCommands(env={"PATH": f"{fake}:/usr/bin:/bin"}))
+    with pytest.raises(SubmissionError, match="2 polls in a row failed; the jobs keep running"):
+        launcher.wait(sweep, poll_s=0.1, max_poll_failures=2)
+    assert any("Unable to contact slurm controller" in w for w in launcher.warnings)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,6 +30,8 @@ def _run(op_list: list[tuple[int, int, int]]) -> Sim:
 def test_replay_matches_brute_force_model_with_truncated_trace(op_list, cut) -> None:
     sim = _run(op_list)
     cut = min(cut, len(sim.trace))
+    if 0 < cut < len(sim.trace) and sim.trace[cut - 1]["action"] == "free_requested":
+        cut += sim.trace[cut]["action"] == "free_completed"  # a cut inside a plain free leaves a lone completion
     data = normalise({"segments": sim.segments(), "device_traces": [sim.trace[cut:]]})
     if cut == len(sim.trace):
         assert data.traces == {}
@@ -136,3 +140,33 @@ def test_frees_without_alloc_are_counted_not_fatal() -> None:
 
 
 SEG_TOTAL = 2 * MiB
+
+
+_any_entry = st.fixed_dictionaries(
+    {
+        "action": st.sampled_from(
+            ["alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map", "oom", "x"]
+        ),
+        "addr": st.sampled_from([0, 64, 128, 4096]),
+        "size": st.integers(0, 1 << 40),
+        "stream": st.sampled_from([0, 1, 2]),
+    },
+    optional={"time_us": st.integers(0, 1 << 50), "frames": st.lists(st.just(USER), max_size=2)},
+)
+_any_block = st.fixed_dictionaries(
+    {"size": st.integers(0, 1 << 30), "state": st.sampled_from(["active_allocated", "active_pending_free", "inactive"])}
+)
+_any_segment = st.fixed_dictionaries(
+    {"total_size": st.integers(0, 1 << 32), "blocks": st.lists(_any_block, max_size=3)},
+    optional={"device": st.integers(0, 2), "segment_pool_id": st.tuples(st.integers(0, 3), st.integers(0, 3))},
+)
+
+
+@given(
+    segs=st.lists(_any_segment, max_size=4),
+    traces=st.lists(st.lists(_any_entry, max_size=30), max_size=3),
+)
+def test_replay_fuzz_inconsistent_traces_never_crash(segs, traces) -> None:
+    rep, _ = analyze(normalise({"segments": segs, "device_traces": traces}), ReportConfig(timeline_points=8))
+    json.dumps(rep, allow_nan=False)
+    assert rep["pending_free_at_max_active_bytes"] >= 0 or rep["warnings"]

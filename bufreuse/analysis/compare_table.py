@@ -11,6 +11,7 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -90,6 +91,19 @@ def _overview_table(result: ComparisonResult) -> Table:
     return table
 
 
+def _samples_line(label: str, stats: dict[str, Any]) -> str | None:
+    """``label: N samples (dropped ...); TFLOP/s p10–p90 a–b; ms p10–p90 c–d`` when samples exist."""
+    pieces = []
+    for key, unit in (("tflops", "TFLOP/s/GPU"), ("step_ms", "ms")):
+        s = stats[key]
+        if s["n"] > 1:
+            pieces.append(f"{unit} p10–p90 {s['p10']:,.2f}–{s['p90']:,.2f} (n={s['n']})")
+    if not pieces:
+        return None
+    dropped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in stats["dropped"].items() if v)
+    return f"{label}: " + "; ".join(pieces) + (f"; dropped {dropped}" if dropped else "")
+
+
 def comparison_renderable(result: ComparisonResult) -> Group:
     """An overview (when several runs), then per run a side-by-side table and its notes."""
     parts: list[Table | Text] = []
@@ -107,6 +121,9 @@ def comparison_renderable(result: ComparisonResult) -> Group:
                 parts.append(Text(f"{comp.label}: {m.title}: {m.note}", style="yellow"))
         for caveat in comp.caveats:
             parts.append(Text(f"{comp.label}: {caveat}", style="yellow"))
+    for run in result.runs:
+        if line := _samples_line(run.label, result.stats[run.label]):
+            parts.append(Text(line, style="dim"))
     bands = result.bands
     parts.append(
         Text(

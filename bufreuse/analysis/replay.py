@@ -83,7 +83,11 @@ def replay(t: EventTable, final: FinalState) -> Replay:
     warnings: list[str] = []
     reserved = np.cumsum(_delta(t, (SEG_ALLOC, SEG_MAP), (SEG_FREE, SEG_UNMAP)))
     allocated = np.cumsum(_delta(t, (ALLOC,), (FREE_REQ,)))
-    pending = np.cumsum(_delta(t, (FREE_REQ,), (FREE_DONE,)))
+    pend_delta = _delta(t, (FREE_REQ,), (FREE_DONE,))
+    quick = _immediate_frees(t)  # a plain free: never waits in the queue
+    pend_delta[quick] = 0
+    pend_delta[quick + 1] = 0
+    pending = np.cumsum(pend_delta)
     n = len(t)
     net = (int(reserved[-1]), int(allocated[-1]), int(pending[-1])) if n else (0, 0, 0)
     base_r = final.reserved - net[0]
@@ -105,8 +109,15 @@ def replay(t: EventTable, final: FinalState) -> Replay:
         ir = int(np.argmax(reserved))
         max_r, ir = (int(reserved[ir]), ir) if reserved[ir] > base_r else (base_r, -1)
         active = allocated + pending
-        ia = int(np.argmax(active))
-        max_a, ia = (int(active[ia]), ia) if active[ia] > base_a + base_p else (base_a + base_p, -1)
+        peak = active.max()
+        if peak > base_a + base_p:
+            # ties: a free_requested moves bytes from allocated to pending and keeps active flat, so
+            # take the tied point with the longest pending-free queue (the one the report is about)
+            tied = np.flatnonzero(active == peak)
+            ia = int(tied[np.argmax(pending[tied])])
+            max_a = int(peak)
+        else:
+            max_a, ia = base_a + base_p, -1
     else:
         max_r, ir, max_a, ia = final.reserved, -1, final.allocated_requested + final.pending_requested, -1
     orphan_frees, orphan_done = _orphans(t)
@@ -130,6 +141,19 @@ def replay(t: EventTable, final: FinalState) -> Replay:
         completions_without_request=orphan_done,
         warnings=warnings,
     )
+
+
+def _immediate_frees(t: EventTable) -> np.ndarray:
+    """Indices of ``free_requested`` entries whose ``free_completed`` is the very next entry.
+
+    The allocator records both under one lock when the block has no pending stream uses, so such a
+    block is never in the pending-free queue; counting it there would put every plain free at the
+    max-active point.
+    """
+    a = t.action
+    if len(a) < 2:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero((a[:-1] == FREE_REQ) & (a[1:] == FREE_DONE) & (t.addr[:-1] == t.addr[1:]))
 
 
 def _sorted_by_addr(t: EventTable, codes: tuple[int, ...], upto: int | None = None) -> np.ndarray:
@@ -170,8 +194,13 @@ def pending_blocks_at(t: EventTable, index: int) -> list[PendingBlock]:
     last = ~nxt_same
     sel = np.flatnonzero(last & (act == FREE_REQ))
     prev_same = np.concatenate(([False], addr[1:] == addr[:-1]))
+    a = t.action
+    quick = index + 1 < len(a) and a[index] == FREE_REQ and a[index + 1] == FREE_DONE
+    quick = quick and t.addr[index] == t.addr[index + 1]  # a plain free at ``index``: not queued
     out = []
     for p in sel:
+        if quick and int(idx[p]) == index:
+            continue
         has_alloc = p > 0 and prev_same[p] and act[p - 1] == ALLOC
         i = int(idx[p])
         out.append(

@@ -123,6 +123,8 @@ def _from_path(path: Path, warmup: int) -> list[RunRecord]:
 
 
 def _from_label(label: str, root: str | os.PathLike[str] | None) -> list[RunRecord]:
+    if "/" in label or os.sep in label or label.lower().endswith(_LOG_SUFFIXES + _SNAPSHOT_SUFFIXES + (".json",)):
+        raise InputError(f"{label}: no such file or folder")
     try:
         sweep = latest_sweep(root)
     except InputError as e:

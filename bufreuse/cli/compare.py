@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors
+from bufreuse.cli._common import console, err_console, handle_errors
 
 __all__ = ["register"]
 
@@ -54,9 +54,9 @@ def compare(
     from bufreuse.errors import CheckFailedError
 
     bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)
-    result = compare_specs(
-        runs, root=root, warmup=warmup, bands=bands, slot_bytes=parse_slot_sizes(slot_bytes, slot_mib)
-    )
+    sizes = parse_slot_sizes(slot_bytes, slot_mib)
+    with err_console.status("reading runs (snapshots can take a while)"):
+        result = compare_specs(runs, root=root, warmup=warmup, bands=bands, slot_bytes=sizes)
     written = write_comparison(result, csv_path=csv_path) if csv_path else []
     if plot is not None:
         from bufreuse.analysis.compare_plot import write_comparison_plots

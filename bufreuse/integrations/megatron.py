@@ -15,7 +15,8 @@ and overrides, per ``MoELayer`` instance with the NCCL all-to-all dispatcher:
 
 Two class-level patches make megatron's own release paths skip ring storage through the pool's
 pure probe: ``ScheduleNode._forward`` (``free_input=True`` would ``resize_(0)`` a slot) and
-``ChunkOffloadHandler.bulk_offload`` (``forced_released_tensors``). ``uninstall()`` restores
+``ChunkOffloadHandler.bulk_offload`` (``forced_released_tensors``); they stay while any
+installation is alive (one per model chunk with virtual pipelining). ``uninstall()`` restores
 everything. Nothing is patched at import time. HybridEP layers are refused here: their adapter
 (:mod:`bufreuse.integrations.hybridep`) needs a DeepEP with ``output_token``, which no release has.
 """
@@ -38,7 +39,10 @@ from bufreuse.pool import BufferPool
 __all__ = ["Installation", "install", "installed"]
 
 DISPATCH, EXPERT = "dispatch_output", "expert_fc2_output"
+_MARK = "_bufreuse_hooked"
 _active: list[Installation] = []
+"""Installations alive now; the class-level release-path patches stay while any is."""
+_release_undo: list[Callable[[], None]] = []
 
 
 @dataclass(slots=True)
@@ -62,6 +66,9 @@ class Installation:
             self._undo.pop()()
         if self in _active:
             _active.remove(self)
+            if not _active:
+                while _release_undo:
+                    _release_undo.pop()()
 
     def __enter__(self) -> Installation:
         return self
@@ -79,11 +86,11 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if _active:
-        raise ConfigError("bufreuse hooks are already installed; uninstall() the previous installation first")
     inst = Installation(pool=pool, knobs=knobs)
     modules = model if isinstance(model, list) else [model]
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
+    if any(_MARK in vars(m) for m in layers):
+        raise ConfigError("bufreuse hooks are already installed on these MoE layers; uninstall() them first")
     bad = [
         type(m.token_dispatcher).__name__
         for m in layers
@@ -104,9 +111,10 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
                 _hook_dispatch(inst, layer, state)
             if "expert" in enabled:
                 _hook_expert(inst, layer, state)
+            _override(inst, layer, _MARK, True)
             inst.layers += 1
-        if enabled:
-            _patch_release_paths(inst)
+        if enabled and not _release_undo:
+            _patch_release_paths()
     except BaseException:
         inst.uninstall()
         raise
@@ -257,37 +265,40 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
         _override(inst, disp, name, _after(getattr(disp, name), may_save))
 
 
-def _patch_release_paths(inst: Installation) -> None:
+def _is_ring_storage(tensor: torch.Tensor) -> bool:
+    """The pools' pure probe, over every live installation."""
+    return isinstance(tensor, torch.Tensor) and any(i.pool.is_ring_storage(tensor) for i in _active)
+
+
+def _patch_release_paths() -> None:
     """Make ScheduleNode.free_input and the offload forced release skip ring storage (pure probe)."""
-    probe = inst.pool.is_ring_storage
+    probe = _is_ring_storage
     try:
         from megatron.core.pipeline_parallel import utils as pp_utils
     except ImportError:
         pp_utils = None
     if pp_utils is not None and hasattr(pp_utils, "ScheduleNode"):
-        _patch_class(inst, pp_utils.ScheduleNode, "_forward", _skip_ring_free_input(pp_utils, probe))
+        _patch_class(pp_utils.ScheduleNode, "_forward", _skip_ring_free_input(pp_utils, probe))
     try:
         from megatron.core.pipeline_parallel import fine_grained_activation_offload as off
     except ImportError:
         off = None
     handler = getattr(off, "ChunkOffloadHandler", None) if off is not None else None
     if handler is not None and hasattr(handler, "bulk_offload"):
-        _patch_class(inst, handler, "bulk_offload", _skip_ring_forced_release(probe))
+        _patch_class(handler, "bulk_offload", _skip_ring_forced_release(probe))
 
 
-def _patch_class(
-    inst: Installation, cls: type, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
-) -> None:
+def _patch_class(cls: type, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     old = cls.__dict__[attr]
     setattr(cls, attr, make(old))
-    inst._undo.append(lambda: setattr(cls, attr, old))
+    _release_undo.append(lambda: setattr(cls, attr, old))
 
 
 def _skip_ring_free_input(pp_utils: Any, probe: Callable[[torch.Tensor], bool]) -> Callable[..., Any]:
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(orig)
         def _forward(self: Any, *inputs: Any) -> Any:
-            if not self.free_input or not any(isinstance(t, torch.Tensor) and probe(t) for t in inputs):
+            if not self.free_input or not any(probe(t) for t in inputs):
                 return orig(self, *inputs)
             self.free_input = False
             try:

@@ -211,6 +211,16 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         test=lambda c: not _get(c.cfg, "moe_permute_fusion", False),
     ),
     Requirement(
+        key="sequential_mlp",
+        buffers=frozenset({"expert"}),
+        paths=frozenset({"alltoall"}),
+        policies=REUSE,
+        text="local SequentialMLP experts (moe_grouped_gemm=False)",
+        fix="set moe_grouped_gemm=False (the grouped MLP takes the buffer only through the TE adapter)",
+        why="on the NCCL path the FC2 output is written into the buffer by the SequentialMLP hook",
+        test=lambda c: not _get(c.cfg, "moe_grouped_gemm", False),
+    ),
+    Requirement(
         key="no_moe_recompute",
         buffers=BOTH,
         paths=frozenset({"alltoall"}),

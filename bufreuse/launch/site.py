@@ -77,8 +77,8 @@ class SlurmSite:
     """``srun --container-mounts`` (pyxis syntax); the sweep folder must be visible inside."""
     venv: str | None = None
     """A virtualenv folder to activate (``source VENV/bin/activate``) before running."""
-    python: str = field(default_factory=lambda: sys.executable)
-    """Interpreter the job runs; default: this one (the sweep folder and python must be on shared storage)."""
+    python: str | None = None
+    """Interpreter the job runs; None: this one (on shared storage), or ``python`` from the venv/container."""
     extra_sbatch: list[str] = field(default_factory=list)
     """Further ``#SBATCH`` arguments, each ``--name`` or ``--name=value`` (e.g. ``--constraint=h200``)."""
     env: dict[str, str] = field(default_factory=dict)
@@ -128,6 +128,13 @@ class SlurmSite:
                 raise InputError(f"--slurm-env name {key!r} is not a shell variable name")
             check_single_line(f"--slurm-env {key}", value)
         return self
+
+    @property
+    def interpreter(self) -> str:
+        """The Python the job runs (see :attr:`python`)."""
+        if self.python:
+            return self.python
+        return "python" if self.container_image or self.venv else sys.executable
 
     @property
     def ranks_per_node(self) -> int:

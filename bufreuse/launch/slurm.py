@@ -133,9 +133,10 @@ class SlurmLauncher:
                     f"{self.site.ranks_per_node} rank(s); set --slurm-nodes/--slurm-gpus-per-node to match"
                 )
             self.render(sweep, cid)
-        if self.dry_run:
+        reachable = self.commands.available()
+        if not reachable and self.dry_run:
             return
-        if not self.commands.available():
+        if not reachable:
             raise InputError(
                 "SLURM is not reachable (sbatch missing or `scontrol show config` failed): run on a login node, "
                 "set SLURM_CONF, or use --dry-run to write the scripts only"
@@ -239,16 +240,31 @@ class SlurmLauncher:
         poll_s: float = 10.0,
         timeout_s: float | None = None,
         on_update: Callable[[list[JobRow]], None] | None = None,
+        max_poll_failures: int = 5,
     ) -> dict[str, str]:
-        """Poll until no job is queued or running (backoff from 0.5 s up to ``poll_s``); return states."""
+        """Poll until no job is queued or running (backoff from 0.5 s up to ``poll_s``); return states.
+
+        A poll that fails (controller busy or restarting) is a warning; ``max_poll_failures`` in a row
+        raise :class:`SubmissionError`. The jobs themselves are never touched by a failed poll.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        delay = 0.5
+        delay, failures = 0.5, 0
         while True:
-            rows = self.poll(sweep, config_ids)
-            if on_update is not None:
-                on_update(rows)
-            if not any(r.state in ("queued", "running") for r in rows):
-                return {r.config_id: r.state for r in rows}
+            try:
+                rows = self.poll(sweep, config_ids)
+                failures = 0
+            except SubmissionError as e:
+                failures += 1
+                if failures >= max_poll_failures:
+                    raise SubmissionError(f"{e} ({failures} polls in a row failed; the jobs keep running: "
+                                          f"bufreuse sweep --status {sweep.folder})") from None  # fmt: skip
+                self.warnings.append(f"poll failed, status may be inaccurate: {e}")
+                rows = None
+            if rows is not None:
+                if on_update is not None:
+                    on_update(rows)
+                if not any(r.state in ("queued", "running") for r in rows):
+                    return {r.config_id: r.state for r in rows}
             if deadline is not None and time.monotonic() >= deadline:
                 raise SubmissionError(
                     f"{sweep.folder}: jobs still in flight after {timeout_s:.0f} s; "
@@ -271,7 +287,7 @@ class SlurmLauncher:
         context = {
             "site": self.site,
             "config": config,
-            "python": self.site.python,
+            "python": self.site.interpreter,
             "job": {
                 "name": f"bufreuse-{sweep_name}-{config_id}",
                 "config_id": config_id,

@@ -1,0 +1,53 @@
+"""HybridEP (DeepEP hybrid-ep) adapter: hand a ring slot to ``dispatch_with_permute(output_token=)``.
+
+Upstream ``HybridEPBuffer.dispatch_with_permute`` allocates its output itself (no ``output_token``
+in deepseek-ai/DeepEP@098da2a6dee107028535a5776248891d6e376918, hybrid-ep branch); the seed's
+draft adds exactly that keyword. This adapter fails early, naming the missing API, when the
+installed DeepEP lacks it, and checks that the kernel really wrote into the slot it was given.
+Only fakes exercise it here: no DeepEP with HybridEP installs from PyPI (see docs/megatron.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bufreuse.errors import ConfigError
+from bufreuse.integrations.alltoall import acquire_with_hint
+from bufreuse.integrations.features import deepep_output_token
+from bufreuse.pool import BufferPool
+
+__all__ = ["dispatch_into_pool", "dispatch_with_output_token"]
+
+
+def dispatch_with_output_token(buffer: Any, output_token: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
+    """Call ``buffer.dispatch_with_permute(output_token=..., **kwargs)``; its output must be that tensor.
+
+    Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
+    never by version) and ``RuntimeError`` when the backend returned other storage than it was given.
+    """
+    ok, detail = deepep_output_token(type(buffer))
+    if not ok:
+        raise ConfigError(f"dispatch-output reuse on HybridEP needs DeepEP output_token: {detail}")
+    result = buffer.dispatch_with_permute(output_token=output_token, **kwargs)
+    dispatched = result[0]
+    if dispatched.data_ptr() != output_token.data_ptr():
+        raise RuntimeError(
+            "HybridEP dispatch_with_permute ignored output_token (returned other storage); "
+            "the ring slot would hold stale data"
+        )
+    return result
+
+
+def dispatch_into_pool(
+    pool: BufferPool, buffer: Any, *, hidden: torch.Tensor, num_permuted_tokens: int, **kwargs: Any
+) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """Acquire a ``dispatch_output`` buffer of the static bound and dispatch into it.
+
+    Returns ``(dispatch result, acquired tensor)``; release the tensor after the experts (FP8/FP4
+    expert GEMMs save a quantized copy, so the forward is its final reader).
+    """
+    slot = acquire_with_hint(pool, "dispatch_output", (int(num_permuted_tokens), hidden.shape[-1]))
+    result = dispatch_with_output_token(buffer, slot, hidden=hidden, num_permuted_tokens=num_permuted_tokens, **kwargs)
+    return result, slot

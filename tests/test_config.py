@@ -1,0 +1,248 @@
+"""Knobs, file loading, static bounds, and the requirement matrix against a real TransformerConfig.
+
+megatron-core refuses some fields at construction without Transformer Engine (``fp8`` raises
+"Only transformer-engine>=1.7.0 supports MoE FP8 training"; ``moe_permute_fusion`` needs TE's
+fused permute). Those are set on a real, constructed config afterwards (``_set``), which is how a
+TE build would hold them; every other field goes through ``TransformerConfig.__init__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bufreuse.config import BufReuseConfig, add_arguments, load_megatron_file, static_bounds, validate
+from bufreuse.errors import ConfigError, InputError
+from bufreuse.integrations.features import Features
+from bufreuse.integrations.requirements import REQUIREMENTS, check
+
+FEATURES_ON = Features(deepep_output_token=True, deepep_detail="fake", te_grouped_output=True, te_detail="fake")
+FEATURES_OFF = Features(deepep_output_token=False, deepep_detail="absent", te_grouped_output=False, te_detail="absent")
+BOTH_ON = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_expert_output_buffers=4)
+
+
+def _mc():
+    return pytest.importorskip("megatron.core.transformer.transformer_config")
+
+
+def _set(cfg, **fields):
+    for k, v in fields.items():
+        setattr(cfg, k, v)  # fields megatron refuses at construction without TE
+    return cfg
+
+
+def _hybridep_cfg():
+    """A real 0.19 config meeting every HybridEP row (fp8 set after construction, see module doc)."""
+    cfg = _mc().TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        bf16=True,
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="hybridep",
+        expert_model_parallel_size=2,
+        overlap_moe_expert_parallel_comm=True,
+        use_transformer_engine_op_fuser=True,
+        moe_grouped_gemm=True,
+        moe_expert_rank_capacity_factor=1.5,
+    )
+    return _set(cfg, fp8="e4m3")
+
+
+def _alltoall_cfg():
+    return _mc().TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        bf16=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+
+
+# rule -> (config factory, fields that break it). Each rule has a passing (factory as is) and a failing config.
+BREAKERS = {
+    "dispatcher": (_alltoall_cfg, {"moe_token_dispatcher_type": "allgather"}),
+    "static_bound": (_hybridep_cfg, {"moe_expert_rank_capacity_factor": None}),
+    "ep_overlap": (_hybridep_cfg, {"overlap_moe_expert_parallel_comm": False}),
+    "quantized_experts": (_hybridep_cfg, {"fp8": None}),
+    "te_op_fuser": (_hybridep_cfg, {"use_transformer_engine_op_fuser": False}),
+    "grouped_gemm": (_hybridep_cfg, {"moe_grouped_gemm": False}),
+    "no_fused_group_mlp_offload": (
+        _hybridep_cfg,
+        {"fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]},
+    ),
+    "unfused_permute": (_alltoall_cfg, {"moe_permute_fusion": True}),
+    "sequential_mlp": (_alltoall_cfg, {"moe_grouped_gemm": True}),
+    "no_moe_recompute": (_alltoall_cfg, {"recompute_granularity": "selective", "recompute_modules": ["moe"]}),
+    "no_cuda_graphs": (_alltoall_cfg, {"cuda_graph_impl": "full_iteration"}),
+}
+
+
+def test_every_rule_has_a_breaker_or_a_dedicated_test() -> None:
+    dedicated = {"deepep_output_token", "te_grouped_output", "tokens_known", "dispatch_slots"}
+    assert {r.key for r in REQUIREMENTS} == set(BREAKERS) | dedicated
+
+
+@pytest.mark.parametrize("factory", [_hybridep_cfg, _alltoall_cfg])
+def test_validate_passes_complete_config(factory) -> None:
+    report = validate(factory(), BOTH_ON, seq_length=128, micro_batch_size=2, features=FEATURES_ON)
+    assert report.ok and report.items and set(report.bounds) == {"dispatch", "expert"}
+
+
+@pytest.mark.parametrize("rule", sorted(BREAKERS))
+def test_validate_names_each_broken_rule(rule: str) -> None:
+    factory, fields = BREAKERS[rule]
+    cfg = _set(factory(), **fields)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, BOTH_ON, seq_length=128, micro_batch_size=2, features=FEATURES_ON)
+    report = check(cfg, BOTH_ON, seq_length=128, micro_batch_size=2, features=FEATURES_ON)
+    assert {i.key for i in report.unmet} == {rule}
+    fix = next(r.fix for r in REQUIREMENTS if r.key == rule)
+    assert rule in str(e.value) and fix in str(e.value)
+
+
+def test_validate_detected_features_gate_hybridep() -> None:
+    report = check(_hybridep_cfg(), BOTH_ON, seq_length=128, micro_batch_size=2, features=FEATURES_OFF)
+    assert {(i.key, i.buffer) for i in report.unmet} == {
+        ("deepep_output_token", "dispatch"),
+        ("te_grouped_output", "expert"),
+    }
+
+
+def test_validate_lists_every_unmet_requirement_in_one_error() -> None:
+    cfg = _set(_hybridep_cfg(), fp8=None, overlap_moe_expert_parallel_comm=False, moe_grouped_gemm=False)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, BOTH_ON, features=FEATURES_OFF)  # no seq_length either
+    msg = str(e.value)
+    for key in ("quantized_experts", "ep_overlap", "grouped_gemm", "deepep_output_token", "tokens_known"):
+        assert key in msg
+    assert "unmet requirement" in msg
+
+
+def test_validate_stream_ordered_needs_no_bound_or_overlap() -> None:
+    knobs = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_bufreuse_dispatch_policy="stream-ordered",
+        moe_hybridep_num_dispatch_output_buffers=0,
+    )
+    cfg = _set(_hybridep_cfg(), fp8=None, overlap_moe_expert_parallel_comm=False, moe_expert_rank_capacity_factor=None)
+    assert validate(cfg, knobs, features=FEATURES_ON).ok
+    assert not check(cfg, knobs, features=FEATURES_OFF).ok  # still needs the DeepEP output_token API
+
+
+def test_validate_ring_needs_a_slot() -> None:
+    knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=0)
+    report = check(_alltoall_cfg(), knobs, seq_length=128, micro_batch_size=1, features=FEATURES_ON)
+    assert [i.key for i in report.unmet] == ["dispatch_slots"]
+
+
+def test_static_bound_hybridep_rank_capacity_aligned() -> None:
+    bounds = static_bounds(_hybridep_cfg(), BOTH_ON, path="hybridep", tokens=1000)
+    # int(1000 x 2 x 1.5) = 3000, rounded up to the op fuser's 256 -> 3072 rows
+    assert bounds["dispatch"].rows == 3072 and bounds["dispatch"].slot_bytes == 3072 * 64 * 2
+    assert bounds["expert"].persistent_bytes == 4 * 3072 * 64 * 2
+
+
+def test_static_bound_pad_to_capacity_and_dropless_worst_case() -> None:
+    cfg = _set(_alltoall_cfg(), moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True)
+    assert static_bounds(cfg, BOTH_ON, path="alltoall", tokens=1000)["dispatch"].rows == 8 * 313
+    dropless = static_bounds(_alltoall_cfg(), BOTH_ON, path="alltoall", tokens=1000)["dispatch"]
+    assert dropless.rows == 1 * 1000 * 2 and dropless.persistent_bytes == 4 * 2000 * 64 * 2
+
+
+def test_knobs_reject_bad_policy_and_counts() -> None:
+    with pytest.raises(ConfigError) as e:
+        BufReuseConfig(moe_bufreuse_expert_policy="lifo", moe_hybridep_num_expert_output_buffers=-1)
+    assert "moe_bufreuse_expert_policy" in str(e.value) and "moe_hybridep_num_expert_output_buffers" in str(e.value)
+
+
+def test_add_arguments_is_an_extra_args_provider() -> None:
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--moe-hybridep-reuse-dispatch-output-buffers", "--moe-hybridep-num-expert-output-buffers", "3",
+         "--moe-bufreuse-expert-policy", "stream-ordered"]
+    )  # fmt: skip
+    knobs = BufReuseConfig.from_args(args)
+    assert knobs.enabled() == {"dispatch": "ring", "expert": "stream-ordered"}
+    assert knobs.slots("dispatch") == 4 and knobs.slots("expert") == 0
+
+
+def test_load_megatron_yaml_flattens_sections(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  hidden_size: 128\nmoe-hybridep-num-expert-output-buffers: 2\n")
+    data = load_megatron_file(p)
+    assert data == {"hidden_size": 128, "moe_hybridep_num_expert_output_buffers": 2}
+    assert BufReuseConfig.from_mapping(data).expert_enabled
+
+
+def test_load_megatron_args_file(tmp_path: Path) -> None:
+    p = tmp_path / "args.txt"
+    p.write_text("# comment\n--bf16 --hidden-size 128 \\\n--offload-modules fused_group_mlp expert_fc1 --lr=1e-4\n")
+    assert load_megatron_file(p) == {
+        "bf16": True,
+        "hidden_size": 128,
+        "offload_modules": ["fused_group_mlp", "expert_fc1"],
+        "lr": 1e-4,
+    }
+
+
+@pytest.mark.parametrize("text", ["a: [unclosed", "- just\n- a list\n"])
+def test_load_megatron_file_bad_input(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(InputError):
+        load_megatron_file(p)
+    with pytest.raises(InputError, match="cannot read"):
+        load_megatron_file(tmp_path / "missing.yaml")
+
+
+MC016 = Path(os.environ.get("BUFREUSE_MEGATRON_016", Path(__file__).parents[1] / ".venv-megatron016"))
+
+
+@pytest.mark.skipif(not (MC016 / "megatron" / "core").is_dir(), reason="megatron-core 0.16.x target folder absent")
+def test_validate_on_megatron_core_016_field_set() -> None:
+    """0.16.x lacks moe_expert_rank_capacity_factor and use_transformer_engine_op_fuser (CI installs it)."""
+    code = textwrap.dedent(
+        """
+        import json, warnings
+        warnings.filterwarnings("ignore")
+        import megatron.core
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from bufreuse.config import BufReuseConfig
+        from bufreuse.integrations.features import Features
+        from bufreuse.integrations.requirements import check
+        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+            moe_router_topk=2, bf16=True, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+            moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True, moe_grouped_gemm=True,
+            expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True)
+        cfg.fp8 = "e4m3"  # refused at construction without Transformer Engine
+        feats = Features(deepep_output_token=True, deepep_detail="", te_grouped_output=True, te_detail="")
+        knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True,
+            moe_hybridep_num_expert_output_buffers=2)
+        r = check(cfg, knobs, seq_length=128, micro_batch_size=2, features=feats)
+        print(json.dumps({"file": megatron.core.__file__,
+            "missing": [f for f in ("moe_expert_rank_capacity_factor", "use_transformer_engine_op_fuser")
+                        if not hasattr(cfg, f)],
+            "unmet": [[i.key, i.buffer, i.note] for i in r.unmet], "rows": r.bounds["dispatch"].rows}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(MC016), str(Path(__file__).parents[1])])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["file"].startswith(str(MC016))
+    assert res["missing"] == ["moe_expert_rank_capacity_factor", "use_transformer_engine_op_fuser"]
+    # pad-to-capacity gives the static bound on 0.16; the op-fuser row cannot be met there
+    assert [u[:2] for u in res["unmet"]] == [["te_op_fuser", "expert"]]
+    assert "cannot be met on this megatron-core" in res["unmet"][0][2]
+    assert res["rows"] == 64 * 2 * 4  # capacity ceil(256 x 2 / 8 x 1.0) = 64, x EP 2 x 4 local experts

@@ -1,0 +1,125 @@
+"""HybridEP and Transformer Engine adapters against fakes whose signatures match cited upstream text.
+
+Neither backend installs here (no DeepEP with HybridEP on PyPI; TE's torch part needs a CUDA
+build). The fakes in ``tests/fakes`` carry the upstream parameter lists (DeepEP hybrid-ep commit
+098da2a6; TE names as megatron-core 0.19.2 uses them) plus exactly the seed's additions, and the
+tests show the adapters hand the ring slot itself to the callee (``data_ptr`` equality).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from fakes import deep_ep_hybrid as dep
+from fakes import te_grouped_linear as te
+
+from bufreuse.errors import ConfigError
+from bufreuse.integrations.features import deepep_output_token, te_grouped_output
+from bufreuse.integrations.hybridep import dispatch_into_pool, dispatch_with_output_token
+from bufreuse.integrations.te import grouped_linear_into, output_buffer_op_kwargs
+from bufreuse.pool import BufferPool
+
+HIDDEN, EXPERTS, TOKENS, BOUND = 16, 4, 12, 32
+
+
+def _routing():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=g)
+    idx = torch.randint(0, EXPERTS, (TOKENS, 2), generator=g)
+    routing = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, idx, True)
+    probs = torch.rand(TOKENS, EXPERTS, generator=g) * routing
+    return hidden, routing, probs
+
+
+def _pool(name: str, rows: int, cols: int) -> BufferPool:
+    pool = BufferPool("cpu")
+    pool.register(name, policy="ring", num_slots=2, max_shape=(rows, cols), dtype=torch.float32)
+    return pool
+
+
+def test_fake_deepep_signature_is_upstream_plus_output_token() -> None:
+    upstream = str(inspect.signature(dep.HybridEPBufferUpstream.dispatch_with_permute))
+    assert upstream == dep.UPSTREAM_DISPATCH_WITH_PERMUTE
+    params = dict(inspect.signature(dep.HybridEPBuffer.dispatch_with_permute).parameters)
+    extra = params.pop("output_token")
+    assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is None
+    assert str(inspect.Signature(list(params.values()))) == dep.UPSTREAM_DISPATCH_WITH_PERMUTE
+
+
+def test_fake_te_signature_is_upstream_plus_out() -> None:
+    assert str(inspect.signature(te.GroupedLinearUpstream.forward)) == te.UPSTREAM_MODULE_FORWARD
+    params = dict(inspect.signature(te.GroupedLinear.forward).parameters)
+    assert params.pop("out").default is None
+    assert str(inspect.Signature(list(params.values()))) == te.UPSTREAM_MODULE_FORWARD
+
+
+def test_detect_features_by_signature_and_key() -> None:
+    assert deepep_output_token(dep.HybridEPBuffer)[0]
+    ok, detail = deepep_output_token(dep.HybridEPBufferUpstream)
+    assert not ok and "no output_token" in detail
+    assert te_grouped_output(ops_module=te.ops_grouped_linear)[0]
+    assert te_grouped_output(grouped_linear_cls=te.GroupedLinear, ops_module=te.ops_without_key)[0]
+    assert not te_grouped_output(grouped_linear_cls=te.GroupedLinearUpstream, ops_module=te.ops_without_key)[0]
+    assert deepep_output_token()[0] is False  # no DeepEP with HybridEP in this environment
+
+
+def test_hybridep_adapter_hands_the_slot_to_deepep() -> None:
+    hidden, routing, probs = _routing()
+    pool = _pool("dispatch_output", BOUND, HIDDEN)
+    (out, out_probs, _, counts, _), slot = dispatch_into_pool(
+        pool, dep.HybridEPBuffer(), hidden=hidden, num_permuted_tokens=BOUND, routing_map=routing, probs=probs
+    )
+    assert out.data_ptr() == slot.data_ptr() and pool.is_ring_storage(out)
+    ref, ref_probs, _, ref_counts, _ = dep.HybridEPBufferUpstream().dispatch_with_permute(
+        hidden=hidden, num_permuted_tokens=BOUND, routing_map=routing, probs=probs
+    )
+    assert torch.equal(out, ref) and torch.equal(out_probs, ref_probs) and torch.equal(counts, ref_counts)
+    pool.release("dispatch_output", slot)
+
+
+def test_hybridep_adapter_fails_early_without_output_token() -> None:
+    hidden, routing, _ = _routing()
+    pool = _pool("dispatch_output", BOUND, HIDDEN)
+    with pytest.raises(ConfigError, match="output_token"):
+        dispatch_into_pool(pool, dep.HybridEPBufferUpstream(), hidden=hidden, num_permuted_tokens=BOUND,
+                           routing_map=routing)  # fmt: skip
+    with pytest.raises(RuntimeError, match="ignored output_token"):
+        dispatch_with_output_token(
+            dep.HybridEPBufferIgnoringOutput(), torch.empty(BOUND, HIDDEN), hidden=hidden,
+            num_permuted_tokens=BOUND, routing_map=routing,
+        )  # fmt: skip
+
+
+def test_te_module_out_receives_the_slot() -> None:
+    hidden, _, _ = _routing()
+    splits = [3, 5, 0, 4]
+    fc2 = te.GroupedLinear(len(splits), HIDDEN, 8)
+    pool = _pool("expert_fc2_output", BOUND, 8)
+    slot = pool.acquire("expert_fc2_output", (TOKENS, 8))
+    y = grouped_linear_into(fc2, hidden, splits, slot)
+    assert y.data_ptr() == slot.data_ptr()
+    assert torch.equal(y, te.GroupedLinearUpstream.forward(fc2, hidden, splits))
+    with pytest.raises(ConfigError, match="out="):
+        grouped_linear_into(te.GroupedLinearUpstream(4, HIDDEN, 8), hidden, splits, slot)
+    with pytest.raises(ConfigError, match="shape"):
+        grouped_linear_into(fc2, hidden[:5], [5, 0, 0, 0], slot)
+
+
+def test_te_op_kwargs_route_fc2_output_into_a_detached_alias() -> None:
+    hidden, _, _ = _routing()
+    splits = torch.tensor([3, 5, 0, 4])
+    mlp = te.FusedGroupedMLP(te.GroupedLinear(4, HIDDEN, 32), te.GroupedLinear(4, 32, HIDDEN))
+    probs = torch.rand(TOKENS)
+    ref = mlp(hidden, splits.tolist(), probs, splits.tolist())
+    pool = _pool("expert_fc2_output", BOUND, HIDDEN)
+    slot = pool.acquire("expert_fc2_output", (TOKENS, HIDDEN)).requires_grad_(True)  # like an autograd output
+    kwargs = output_buffer_op_kwargs(te.ops_grouped_linear, slot, (TOKENS, HIDDEN))
+    out = mlp(hidden, splits.tolist(), probs, splits.tolist(), op_kwargs=kwargs)
+    assert out.data_ptr() == slot.data_ptr() and torch.equal(out, ref)
+    assert not kwargs[-1][te.ops_grouped_linear.OUTPUT_BUFFER_KEY].requires_grad
+    with pytest.raises(ConfigError, match="OUTPUT_BUFFER_KEY"):
+        output_buffer_op_kwargs(te.ops_without_key, slot, (TOKENS, HIDDEN))
+    with pytest.raises(ConfigError, match="contiguous"):
+        output_buffer_op_kwargs(te.ops_grouped_linear, torch.empty(HIDDEN, TOKENS).t(), (TOKENS, HIDDEN))

@@ -1,0 +1,120 @@
+"""`bufreuse snapshot-report` end to end: JSON lines, tables, plots, bad files among good ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from snapshot_synth import Sim, write
+from typer.testing import CliRunner
+
+from bufreuse.analysis.snapshot_report import report_file
+from bufreuse.cli import app
+
+DATA = Path(__file__).parent / "data" / "snapshots"
+RECORD_STREAM = DATA / "record_stream.pickle.gz"
+OOM = DATA / "oom.pickle.gz"
+runner = CliRunner()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_json_lines_match_report_file_for_each_file() -> None:
+    res = runner.invoke(app, ["snapshot-report", "--json", str(RECORD_STREAM), str(OOM)])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [obj["file"] for obj in lines] == [str(RECORD_STREAM), str(OOM)]
+    assert lines[0] == report_file(RECORD_STREAM)
+    for key in (
+        "max_reserved_bytes",
+        "max_active_bytes",
+        "max_active_event_index",
+        "pending_free_at_max_active_bytes",
+        "pending_free_groups_at_max_active",
+        "pending_free_by_category_at_max_active",
+        "final_state_bytes",
+        "num_trace_events",
+        "oom_events",
+        "warnings",
+    ):
+        assert key in lines[1]
+
+
+def test_bad_files_exit_2_one_line_each_and_good_files_still_reported(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
+    evil = write(tmp_path / "evil.pickle", {"segments": [_Evil()]})
+    trunc = tmp_path / "trunc.pickle.gz"
+    trunc.write_bytes(RECORD_STREAM.read_bytes()[:200])
+    res = runner.invoke(app, ["snapshot-report", "--json", str(empty), str(RECORD_STREAM), str(evil), str(trunc)])
+    assert res.exit_code == 2
+    assert len(res.stdout.splitlines()) == 1 and json.loads(res.stdout)["file"] == str(RECORD_STREAM)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3
+    assert "empty.pickle" in errors[0] and "system" in errors[1] and "trunc.pickle.gz" in errors[2]
+    assert "Traceback" not in res.output
+
+
+def test_table_output_names_site_and_combined_worst_rank(tmp_path: Path) -> None:
+    rank0 = tmp_path / "snap_rank0.pickle.gz"
+    rank1 = tmp_path / "snap_rank1.pickle.gz"
+    rank0.write_bytes(OOM.read_bytes())
+    rank1.write_bytes(RECORD_STREAM.read_bytes())
+    res = runner.invoke(app, ["snapshot-report", str(rank0), str(rank1)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "_dispatch_tokens" in res.stdout and "dispatch_output" in res.stdout
+    assert "combined over 2 of 2 files" in res.stdout
+    assert "rank 1" in res.stdout  # record_stream has the most pending free at max active
+    assert "OOM at event 11" in res.stdout
+
+
+def test_category_option_adds_a_rule(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["snapshot-report", "--json", "--category", "mine=_dispatch_tok", str(RECORD_STREAM)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["pending_free_by_category_at_max_active"]["mine"] == 72 << 20
+
+
+def test_bad_category_option_is_exit_2() -> None:
+    res = runner.invoke(app, ["snapshot-report", "--category", "nope", str(RECORD_STREAM)])
+    assert res.exit_code == 2 and "NAME=REGEX" in res.stderr
+
+
+def test_plot_writes_png_per_file(tmp_path: Path) -> None:
+    out = tmp_path / "t.png"
+    res = runner.invoke(app, ["snapshot-report", "--json", "--plot", str(out), str(RECORD_STREAM)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_site_frame_option_moves_to_the_caller() -> None:
+    res = runner.invoke(app, ["snapshot-report", "--json", "--site-frame", "1", str(RECORD_STREAM)])
+    group = json.loads(res.stdout)["pending_free_groups_at_max_active"][0]
+    assert group["site"].endswith(":_scenario_record_stream")
+
+
+def test_processes_in_parallel_as_a_subprocess(tmp_path: Path) -> None:
+    paths = []
+    for k in range(3):
+        sim = Sim()
+        for i in range(300):
+            sim.op((i * 7 + k) % 4, 1000 + i * 4096, i % 2)
+        paths.append(str(write(tmp_path / f"m_{k}.pickle", {"segments": sim.segments(), "device_traces": [sim.trace]})))
+    cmd = [sys.executable, "-m", "bufreuse", "snapshot-report", "--json", "--workers", "2", *paths]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert [json.loads(line)["file"] for line in out.stdout.splitlines()] == paths
+
+
+def test_report_imports_no_torch_pandas_or_matplotlib() -> None:
+    code = (
+        "import sys; from bufreuse.analysis import report_file; "
+        f"report_file({str(RECORD_STREAM)!r}); "
+        "bad = [m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
