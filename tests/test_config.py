@@ -246,3 +246,16 @@ def test_validate_on_megatron_core_016_field_set() -> None:
     assert [u[:2] for u in res["unmet"]] == [["te_op_fuser", "expert"]]
     assert "cannot be met on this megatron-core" in res["unmet"][0][2]
     assert res["rows"] == 64 * 2 * 4  # capacity ceil(256 x 2 / 8 x 1.0) = 64, x EP 2 x 4 local experts
+
+
+def test_docs_matrix_lists_every_rule() -> None:
+    import re
+
+    doc = (Path(__file__).parents[1] / "docs" / "megatron.md").read_text()
+    section = doc.split("## Requirement matrix", 1)[1]
+    lines = section.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    rows = lines[start + 2 : end]  # the first table, minus header and rule
+    keys = [re.search(r"\(`([a-z_]+)`\) \|", row).group(1) for row in rows]
+    assert sorted(keys) == sorted(r.key for r in REQUIREMENTS)

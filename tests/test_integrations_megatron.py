@@ -21,7 +21,7 @@ from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
 from bufreuse.integrations.alltoall import Held, RingAllToAll, acquire_with_hint  # noqa: E402
 from bufreuse.integrations.megatron import _skip_ring_forced_release, install  # noqa: E402
-from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError  # noqa: E402
+from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError, StaticShapeError  # noqa: E402
 
 HIDDEN, SEQ, MBS = 32, 8, 2
 TOKENS = SEQ * MBS
@@ -252,3 +252,11 @@ def test_install_deterministic_unpermute_defers_fc2_release(parallel) -> None:
         torch.use_deterministic_algorithms(was)
     assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
     assert pool.stats()["expert_fc2_output"].peak_held == 2
+
+
+def test_dtype_mismatch_is_refused_not_cast() -> None:
+    pool = BufferPool("cpu")
+    pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(8, 4), dtype=torch.bfloat16)
+    with pytest.raises(StaticShapeError, match="params_dtype"):
+        acquire_with_hint(pool, "dispatch_output", (8, 4), torch.float32)
+    assert pool.stats()["dispatch_output"].releases == 1  # nothing left held

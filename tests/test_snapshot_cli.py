@@ -118,3 +118,13 @@ def test_report_imports_no_torch_pandas_or_matplotlib() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"not a pickle")
+    env = {**os.environ, "BUFREUSE_CLI_DEBUG": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "bufreuse", "snapshot-report", str(bad)], capture_output=True, text=True, env=env
+    )
+    assert out.returncode != 0 and "Traceback" in out.stderr and "SnapshotFormatError" in out.stderr

@@ -98,7 +98,7 @@ def test_torch_2_1_expandable_segments_map_unmap_and_time_us(tmp_path: Path) -> 
 
 def test_newer_optional_keys_and_unknown_actions_are_tolerated(tmp_path: Path) -> None:
     # torch 2.5+ entries carry compile_context / user_metadata; 2.7+ top-level allocator_settings and
-    # external_annotations; pool_id tuples on entries; "user_defined" annotation entries are skipped
+    # external_annotations; pool_id tuples on entries; "user_defined" marker entries are skipped
     tr = [
         entry("alloc", 64, 512, compile_context="N/A", user_metadata="", pool_id=(0, 0), time_us=1),
         {"action": "user_defined", "size": 0, "stream": 0, "addr": 0, "frames": [], "time_us": 2},
@@ -112,7 +112,13 @@ def test_newer_optional_keys_and_unknown_actions_are_tolerated(tmp_path: Path) -
     }
     rep = report_file(write(tmp_path / "s.pickle", snap))
     assert rep["pending_free_at_max_active_bytes"] == 512
-    assert any("'user_defined' skipped" in w for w in rep["warnings"])
+    assert rep["skipped_entries"] == {"user_defined": 1} and rep["warnings"] == []
+
+
+def test_unknown_actions_are_skipped_with_a_warning(tmp_path: Path) -> None:
+    tr = [entry("alloc", 64, 512), {"action": "teleport", "size": 0, "stream": 0, "addr": 0}]
+    rep = report_file(write(tmp_path / "s.pickle", {"segments": [], "device_traces": [tr]}))
+    assert any("'teleport' skipped" in w for w in rep["warnings"])
 
 
 def test_active_awaiting_free_is_pending_free(tmp_path: Path) -> None:

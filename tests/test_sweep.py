@@ -168,3 +168,47 @@ def test_cli_sweep_without_cuda_exits_2_and_points_to_slurm_and_demo(tmp_path: P
     assert result.exit_code == 2
     assert "--launcher slurm" in result.output and "bufreuse demo" in result.output
     assert not any(tmp_path.iterdir())
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "sweep-h200"
+
+
+@pytest.mark.skipif(not (EXAMPLES / "manifest.json").is_file(), reason="examples/sweep-h200 not recorded yet")
+def test_cli_sweep_rerun_of_recorded_sweep_skips_all_and_renders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    monkeypatch.setenv("COLUMNS", "160")
+    shutil.copytree(EXAMPLES, tmp_path / "sweep-h200")
+    args = ["sweep", "--slots", "0,2,4,10", "--modes", "stream-ordered", "--root", str(tmp_path),
+            "--name", "sweep-h200", "--timeout", "120"]  # fmt: skip
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["ran"] == [] and len(payload["skipped"]) == 5 and payload["checksums_match"] is True
+    rows = {r["config_id"]: r for r in payload["rows"]}
+    assert rows["slots4"]["reserved_delta_bytes"] < 0 and rows["slots4"]["pending_free_bytes"] == 0
+    assert rows["slots0"]["pending_free_bytes"] > 0
+    assert all(Path(p).is_file() for p in payload["plots"])
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "stream-ordered" in table.stdout and "3,160" in table.stdout
+
+
+def test_local_cancel_stops_running_configuration(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    launcher = LocalLauncher(grace_s=0.5, env=_fake_workloads(tmp_path))
+    spec = SweepSpec(slots=[2], params={**TINY, "workload": "fake"}, timeout_s=60.0, root=str(tmp_path), name="c")
+    worker = threading.Thread(target=run_sweep, args=(spec,), kwargs={"launcher": launcher})
+    worker.start()
+    sweep = SweepDir(tmp_path / "c")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (sweep.exists() and launcher.status(sweep).get("slots2") == "running"):
+        time.sleep(0.1)
+    assert launcher.status(sweep) == {"slots2": "running"}
+    assert launcher.cancel(sweep) == ["slots2"]
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    assert sweep.paths("slots2").read_metrics()["status"] == "cancelled"

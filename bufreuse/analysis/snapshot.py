@@ -31,6 +31,7 @@ from bufreuse.errors import SnapshotFormatError
 
 __all__ = [
     "ACTIONS",
+    "ANNOTATION_ACTIONS",
     "BLOCK_STATES",
     "Block",
     "EventTable",
@@ -103,6 +104,8 @@ ACTIONS = (
     "snapshot",
     "oom",
 )
+ANNOTATION_ACTIONS = frozenset({"user_defined", "annotation"})
+"""Trace entries that mark a point in time (no memory change); skipped without a warning."""
 ALLOC, FREE_REQ, FREE_DONE, SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP, SNAP, OOM = range(9)
 OTHER = 9
 _CODE = {a: i for i, a in enumerate(ACTIONS)}
@@ -179,6 +182,8 @@ def normalise(raw: Any, *, path: str = "<snapshot>") -> SnapshotData:
     data = SnapshotData(path=path, format=fmt, final=final, traces=tables)
     for t in tables.values():
         for action, n in sorted(t.unknown_actions.items()):
+            if action in ANNOTATION_ACTIONS:
+                continue  # markers (torch >= 2.6 "user_defined"): expected, reported under skipped_entries
             data.warnings.append(f"device {t.device}: {n} trace entries with action {action!r} skipped")
     return data
 

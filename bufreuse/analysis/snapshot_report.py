@@ -13,6 +13,7 @@ read only for the blocks in the pending-free queue at the max-active point.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import re
 import statistics
@@ -115,13 +116,20 @@ def report_file(
         return analyze(load_snapshot(path), config)[0]
 
 
-def analyze_file(path: str, config: ReportConfig, progress: ProgressFn | None = None) -> FileResult:
-    """Report one file, turning bad input into ``FileResult.error`` (one line naming the file)."""
+def analyze_file(
+    path: str, config: ReportConfig, progress: ProgressFn | None = None, *, raise_errors: bool = False
+) -> FileResult:
+    """Report one file, turning bad input into ``FileResult.error`` (one line naming the file).
+
+    ``raise_errors=True`` lets the ``SnapshotFormatError`` propagate instead (``--debug``).
+    """
     try:
         with _gc_paused():
             report, timeline = analyze(load_snapshot(path, progress=progress), config)
         return FileResult(file=str(path), report=report, timeline=timeline)
     except SnapshotFormatError as e:
+        if raise_errors:
+            raise
         return FileResult(file=str(path), error=" ".join(str(e).split()))
 
 
@@ -132,17 +140,21 @@ def report_files(
     progress: ProgressFn | None = None,
     on_file_done: Callable[[FileResult], None] | None = None,
     workers: int | None = None,
+    raise_errors: bool = False,
 ) -> list[FileResult]:
     """Report several files (one process per file when more than one), results in input order."""
     if len(paths) == 1:
-        res = [analyze_file(paths[0], config, progress)]
+        res = [analyze_file(paths[0], config, progress, raise_errors=raise_errors)]
         if on_file_done:
             on_file_done(res[0])
         return res
     results: dict[int, FileResult] = {}
     n = workers or min(len(paths), os.cpu_count() or 1)
-    with ProcessPoolExecutor(max_workers=n) as pool:
-        futs = {pool.submit(analyze_file, p, config): i for i, p in enumerate(paths)}
+    # fork: workers inherit the loaded modules (no re-import, no re-run of a ``__main__``); callers
+    # must not have threads running when this forks (the CLI's multi-file progress bar has none)
+    ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
+        futs = {pool.submit(analyze_file, p, config, raise_errors=raise_errors): i for i, p in enumerate(paths)}
         for fut in as_completed(futs):
             results[futs[fut]] = fut.result()
             if on_file_done:
@@ -214,6 +226,7 @@ def _figures(
             "allocated_at_max_active_bytes": final.allocated_requested,
             "pending_free_at_max_active_bytes": final.pending_requested,
             "max_pending_free_bytes": final.pending_requested,
+            "reserved_at_max_active_bytes": final.reserved,
         }
         frees_without_alloc = completions_without_request = 0
     else:
@@ -264,6 +277,7 @@ def _figures(
         "final_reserved_bytes": final.reserved,
         "final_state_bytes": dict(final.state_bytes),
         "fragmentation": {
+            "reserved_minus_active_at_max_active_bytes": out["reserved_at_max_active_bytes"] - out["max_active_bytes"],
             "reserved_minus_active_bytes": final.reserved - final_active,
             "free_in_segments_bytes": final.state_bytes["inactive"],
             "rounding_waste_bytes": final.rounding_waste,
@@ -273,6 +287,7 @@ def _figures(
         "num_segments": final.num_segments,
         "expandable_segments": final.expandable_segments,
         "oom_events": ooms,
+        "skipped_entries": dict(t.unknown_actions) if t is not None else {},
         "frees_without_alloc": frees_without_alloc,
         "completions_without_request": completions_without_request,
     }

@@ -133,25 +133,32 @@ def _mib(v: int | None, *, signed: bool = False) -> str:
 
 
 def sweep_table(rows: list[SweepRow], *, title: str | None = None) -> Table:
-    """A rich table: slots, mode, max reserved (+delta vs control), pending-free, step time (+delta %)."""
+    """A rich table: slots, mode, max reserved (+delta vs control), pending-free, step time (+delta %).
+
+    Compact enough for 80 columns; a ``status`` column appears only when some row is not ``ok``.
+    """
     from rich.table import Table
 
+    show_status = any(r.status != "ok" for r in rows)
     t = Table(title=title, title_justify="left")
-    for name, justify in (
-        ("config", "left"), ("slots", "right"), ("mode", "left"), ("status", "left"),
-        ("max reserved MiB", "right"), ("Δ vs control", "right"), ("max alloc MiB", "right"),
-        ("pending-free @max-active MiB", "right"), ("step ms (p10–p90)", "right"), ("Δ step", "right"),
-    ):  # fmt: skip
+    columns = [("slots", "right"), ("mode", "left")] + ([("status", "left")] if show_status else [])
+    columns += [
+        ("reserved MiB", "right"), ("Δ vs control", "right"), ("alloc MiB", "right"),
+        ("pending-free MiB", "right"), ("step ms", "right"), ("Δ step", "right"),
+    ]  # fmt: skip
+    for name, justify in columns:
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in rows:
-        status = r.status if r.status == "ok" else f"[red]{r.status}[/]"
-        step = "—" if r.step_ms is None else f"{r.step_ms:.2f} ({r.step_p10_ms:.2f}–{r.step_p90_ms:.2f})"
+        step = "—" if r.step_ms is None else f"{r.step_ms:.2f}"
         delta = "—" if r.step_delta_pct is None else f"{r.step_delta_pct:+.1f}%"
-        t.add_row(
-            r.config_id, str(r.slots), r.mode + (" +graph" if r.cuda_graph else ""), status,
+        cells = [str(r.slots), r.mode + (" +graph" if r.cuda_graph else "")]
+        if show_status:
+            cells.append(r.status if r.status == "ok" else f"[red]{r.status}[/]")
+        cells += [
             _mib(r.max_reserved_bytes), _mib(r.reserved_delta_bytes, signed=True), _mib(r.max_allocated_bytes),
             _mib(r.pending_free_bytes), step, delta,
-        )  # fmt: skip
+        ]  # fmt: skip
+        t.add_row(*cells)
     return t
 
 

@@ -9,13 +9,14 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.cli._common import console, err_console, handle_errors, is_debug
 
 __all__ = ["register"]
 
 
 @handle_errors
 def snapshot_report(
+    ctx: typer.Context,
     files: Annotated[
         list[Path],
         typer.Argument(help="Allocator snapshots (torch.cuda.memory._dump_snapshot pickles, plain or gzip)."),
@@ -61,7 +62,9 @@ def snapshot_report(
 
     paths = [str(f) for f in files]
     with _progress(len(paths)) as (on_bytes, on_done):
-        results = report_files(paths, config, progress=on_bytes, on_file_done=on_done, workers=workers)
+        results = report_files(
+            paths, config, progress=on_bytes, on_file_done=on_done, workers=workers, raise_errors=_debug(ctx)
+        )
 
     failed = 0
     for i, res in enumerate(results):
@@ -92,6 +95,11 @@ def snapshot_report(
         raise typer.Exit(2)
 
 
+def _debug(ctx: typer.Context) -> bool:
+    """``--debug`` from the root context (read through ``ctx``: no click context is current here)."""
+    return is_debug() or bool(getattr(ctx.find_root().obj, "debug", False))
+
+
 class _progress:
     """A rich progress bar on stderr (bytes for one file, files for several); silent off a terminal."""
 
@@ -108,7 +116,8 @@ class _progress:
             cols = (TextColumn("loading"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
         else:
             cols = (TextColumn("snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
-        self.bar = Progress(*cols, console=err_console, transient=True)
+        # several files fork worker processes: no refresh thread then (fork with threads can deadlock)
+        self.bar = Progress(*cols, console=err_console, transient=True, auto_refresh=self.n_files == 1)
         self.bar.start()
         task = self.bar.add_task("load", total=None if self.n_files == 1 else self.n_files)
         bar = self.bar
@@ -119,6 +128,7 @@ class _progress:
         def on_done(_res: object) -> None:
             if self.n_files > 1:
                 bar.advance(task)
+                bar.refresh()
 
         return on_bytes, on_done
 

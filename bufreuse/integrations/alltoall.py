@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bufreuse.pool import BufferPool, EarlyReuseError
+from bufreuse.pool import BufferPool, EarlyReuseError, StaticShapeError
 
 __all__ = ["CatIntoRing", "Held", "RingAllToAll", "acquire_with_hint", "aliases"]
 
@@ -56,10 +56,14 @@ def aliases(a: Any, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def acquire_with_hint(pool: BufferPool, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``pool.acquire`` whose early-reuse error names the knob to raise."""
+def acquire_with_hint(pool: BufferPool, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None):
+    """``pool.acquire`` whose early-reuse error names the knob to raise; refuses a dtype mismatch.
+
+    A copy into a buffer of another dtype would cast silently, so a ``dtype`` other than the
+    registered one raises :class:`StaticShapeError` (nothing stays acquired).
+    """
     try:
-        return pool.acquire(name, shape)
+        tensor = pool.acquire(name, shape)
     except EarlyReuseError as e:
         knob = KNOBS.get(name, "the slot count")
         raise EarlyReuseError(
@@ -69,6 +73,13 @@ def acquire_with_hint(pool: BufferPool, name: str, shape: tuple[int, ...]) -> to
             generation=e.generation,
             min_depth=e.min_depth,
         ) from e
+    if dtype is not None and tensor.dtype != dtype:
+        pool.release(name, tensor)
+        raise StaticShapeError(
+            f"buffer '{name}' holds {tensor.dtype} but the layer produces {dtype}; the ring dtype comes from "
+            "TransformerConfig.params_dtype (set bf16/params_dtype to the activation dtype)"
+        )
+    return tensor
 
 
 def _splits(x: Any) -> list[int] | None:
@@ -97,7 +108,7 @@ class RingAllToAll(torch.autograd.Function):
         out_splits, in_splits = _splits(output_splits), _splits(input_splits)
         world = group.size() if group is not None else 1
         rows = sum(out_splits) if out_splits is not None else inp.shape[0]
-        slot = acquire_with_hint(pool, name, (rows, *inp.shape[1:]))
+        slot = acquire_with_hint(pool, name, (rows, *inp.shape[1:]), inp.dtype)
         if world == 1:
             slot.copy_(inp)
         else:
@@ -139,7 +150,7 @@ class CatIntoRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, pool: BufferPool, name: str, box: list, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         rows = sum(p.shape[0] for p in parts)
-        slot = acquire_with_hint(pool, name, (rows, *parts[0].shape[1:]))
+        slot = acquire_with_hint(pool, name, (rows, *parts[0].shape[1:]), parts[0].dtype)
         torch.cat(parts, dim=0, out=slot)
         held = Held(pool=pool, name=name, tensor=slot)
         box.append(held)

@@ -86,6 +86,8 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    if not tokens or tokens < 1:
+        raise ConfigError(f"install needs tokens per microbatch >= 1 to size the buffers, got {tokens!r}")
     inst = Installation(pool=pool, knobs=knobs)
     modules = model if isinstance(model, list) else [model]
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]

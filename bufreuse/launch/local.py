@@ -169,10 +169,10 @@ class LocalLauncher:
             pid = _live_pid(paths)
             if pid is None:
                 continue
+            # Written before the kill, so the launching process finds it and does not record "failed".
+            write_failure_metrics(paths, status="cancelled", error="cancelled by `bufreuse sweep --cancel`")
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGTERM)
-            if not paths.is_finished():
-                write_failure_metrics(paths, status="cancelled", error="cancelled by `bufreuse sweep --cancel`")
             cancelled.append(cid)
         return cancelled
 

@@ -1,0 +1,179 @@
+"""``bufreuse-megatron`` / ``python -m bufreuse.integrations.entry``: Megatron-LM pretraining with the knobs.
+
+Upstream rejects unknown arguments, so this wrapper runs the user's Megatron-LM ``pretrain_gpt.py``
+(not shipped in megatron-core's wheel; located with ``--megatron-lm PATH`` or ``MEGATRON_LM_PATH``)
+with ``megatron.training.pretrain`` wrapped for this process only:
+
+1. our five arguments are chained onto the script's ``extra_args_provider``;
+2. the ``model_provider`` result is validated (:func:`bufreuse.config.validate` against the model's
+   ``TransformerConfig``, seq length and micro-batch size from the args) and hooked
+   (:func:`bufreuse.integrations.megatron.install`, one shared :class:`BufferPool`);
+3. everything is restored when pretraining returns. A config that cannot be enabled stops the run
+   before training with one error listing every unmet requirement (exit 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from bufreuse.config import BufReuseConfig, add_arguments, tokens_per_microbatch, validate
+from bufreuse.errors import BufreuseError, ConfigError, InputError
+
+__all__ = ["Session", "locate_script", "main"]
+
+USAGE = (
+    "usage: bufreuse-megatron [--megatron-lm PATH] [--pretrain-script NAME] <Megatron-LM pretrain arguments> "
+    "[--moe-hybridep-reuse-dispatch-output-buffers] [--moe-hybridep-num-dispatch-output-buffers N] "
+    "[--moe-hybridep-num-expert-output-buffers N] [--moe-bufreuse-dispatch-policy P] "
+    "[--moe-bufreuse-expert-policy P]"
+)
+
+
+def locate_script(checkout: str | None, script: str = "pretrain_gpt.py") -> Path:
+    """The pretraining script inside the Megatron-LM checkout; :class:`InputError` naming the fix if absent."""
+    root = checkout or os.environ.get("MEGATRON_LM_PATH")
+    if not root:
+        raise InputError(
+            f"no Megatron-LM checkout given: pass --megatron-lm PATH or set MEGATRON_LM_PATH (the directory "
+            f"holding {script}; megatron-core's wheel does not ship it)"
+        )
+    path = Path(root).expanduser() / script
+    if not path.is_file():
+        raise InputError(f"{path} not found: --megatron-lm / MEGATRON_LM_PATH must point at a Megatron-LM checkout")
+    return path
+
+
+class Session:
+    """What the wrapped ``pretrain`` installed; ``close()`` removes it."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.installations: list[Any] = []
+
+    def chain_args(self, theirs: Any) -> Any:
+        """An ``extra_args_provider`` that runs the script's own provider, then adds our knobs."""
+
+        def provider(parser: Any) -> Any:
+            return add_arguments(theirs(parser) if theirs is not None else parser)
+
+        return provider
+
+    def wrap_model_provider(self, model_provider: Any) -> Any:
+        @functools.wraps(model_provider)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            model = model_provider(*args, **kwargs)
+            self.install(model)
+            return model
+
+        return wrapped
+
+    def install(self, model: Any) -> None:
+        """Validate the knobs against ``model``'s config and hook its MoE layers."""
+        from megatron.training import get_args
+
+        args = get_args()
+        knobs = BufReuseConfig.from_args(args)
+        if not knobs.enabled():
+            return
+        cfg = _transformer_config(model)
+        validate(cfg, knobs, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        from bufreuse.integrations.megatron import install
+        from bufreuse.pool import BufferPool
+
+        if self.pool is None:
+            self.pool = BufferPool()
+        tokens = tokens_per_microbatch(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        self.installations.append(install(model, self.pool, knobs, tokens=tokens))
+
+    def close(self) -> None:
+        while self.installations:
+            self.installations.pop().uninstall()
+
+
+def _transformer_config(model: Any) -> Any:
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        return cfg
+    for m in model.modules():
+        if getattr(m, "config", None) is not None and hasattr(m.config, "num_moe_experts"):
+            return m.config
+    raise ConfigError("bufreuse: the model has no TransformerConfig (model.config) to validate against")
+
+
+def _wrap_pretrain(orig: Any, session: Session) -> Any:
+    sig = inspect.signature(orig)
+    if "extra_args_provider" not in sig.parameters:
+        raise ConfigError(
+            "this Megatron-LM's pretrain() takes no extra_args_provider; bufreuse-megatron needs one to register "
+            "its arguments (use a Megatron-LM whose pretrain_gpt.py passes extra_args_provider)"
+        )
+
+    @functools.wraps(orig)
+    def pretrain(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind_partial(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = session.chain_args(bound.arguments.get("extra_args_provider"))
+        if bound.arguments.get("model_provider") is not None:
+            bound.arguments["model_provider"] = session.wrap_model_provider(bound.arguments["model_provider"])
+        return orig(*bound.args, **bound.kwargs)
+
+    return pretrain
+
+
+def _split_own(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    own: dict[str, str] = {}
+    rest: list[str] = []
+    it = iter(argv)
+    for tok in it:
+        name, eq, val = tok.partition("=")
+        if name in ("--megatron-lm", "--pretrain-script"):
+            value = val if eq else next(it, None)
+            if value is None:
+                raise InputError(f"{name} needs a value")
+            own[name] = value
+        else:
+            rest.append(tok)
+    return own, rest
+
+
+def run(argv: list[str]) -> None:
+    """Run the Megatron-LM pretraining script with the hooks (raises :class:`BufreuseError` on bad input)."""
+    own, rest = _split_own(argv)
+    script = locate_script(own.get("--megatron-lm"), own.get("--pretrain-script", "pretrain_gpt.py"))
+    sys.path.insert(0, str(script.parent))
+    import megatron.training as mt
+
+    session = Session()
+    orig = mt.pretrain
+    mt.pretrain = _wrap_pretrain(orig, session)
+    old_argv = sys.argv
+    sys.argv = [str(script), *rest]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = old_argv
+        mt.pretrain = orig
+        session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry; prints one error line and returns its exit code on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]) and not any(a.startswith("--megatron-lm") for a in argv):
+        print(USAGE)
+        return 0
+    try:
+        run(argv)
+    except BufreuseError as e:
+        print(f"bufreuse-megatron: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

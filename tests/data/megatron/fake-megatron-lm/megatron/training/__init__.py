@@ -1,0 +1,48 @@
+"""A stand-in Megatron-LM ``megatron.training`` for the entry-wrapper tests (CPU, world size 1).
+
+Mirrors the parts the wrapper relies on: ``pretrain(train_valid_test_dataset_provider,
+model_provider, model_type, forward_step_func, ..., extra_args_provider=None, ...)`` parses the
+command line with ``extra_args_provider`` (unknown arguments are errors, as upstream), makes the
+args available through ``get_args()`` and calls ``model_provider()``. It prints what it saw as JSON.
+"""
+
+import argparse
+import json
+
+_ARGS = None
+
+
+def get_args():
+    return _ARGS
+
+
+def pretrain(
+    train_valid_test_dataset_provider,
+    model_provider,
+    model_type,
+    forward_step_func,
+    process_non_loss_data_func=None,
+    extra_args_provider=None,
+    args_defaults={},  # noqa: B006 - upstream's signature
+    store=None,
+):
+    global _ARGS
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--seq-length", type=int)
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--moe-token-dispatcher-type", default="alltoall")
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    _ARGS = parser.parse_args()
+    model = model_provider()
+    moe = model.moe
+    print(
+        "FAKE-PRETRAIN "
+        + json.dumps(
+            {
+                "knobs": {k: v for k, v in vars(_ARGS).items() if "bufreuse" in k or "hybridep" in k},
+                "hooked": "token_dispatch" in vars(moe.token_dispatcher),
+                "script_arg": getattr(_ARGS, "script_flag", None),
+            }
+        )
+    )

@@ -1,0 +1,75 @@
+"""The ``bufreuse-megatron`` entry: argument handling, validation before training, checkout lookup.
+
+A stand-in Megatron-LM checkout (``tests/data/megatron/fake-megatron-lm``) keeps upstream's
+``pretrain(..., extra_args_provider=...)`` contract and builds one real megatron-core MoELayer on
+CPU, so these tests run the real wrapper in a subprocess, end to end, without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+ROOT = Path(__file__).parents[1]
+FAKE = ROOT / "tests" / "data" / "megatron" / "fake-megatron-lm"
+RING = [
+    "--moe-hybridep-reuse-dispatch-output-buffers",
+    "--moe-hybridep-num-dispatch-output-buffers", "2",
+    "--moe-hybridep-num-expert-output-buffers", "2",
+]  # fmt: skip
+
+
+def _run(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_PATH"}
+    env.update({"PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", **(env_extra or {})})
+    cmd = [sys.executable, "-m", "bufreuse.integrations.entry", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+
+def _seen(out: str) -> dict:
+    line = next(ln for ln in out.splitlines() if ln.startswith("FAKE-PRETRAIN "))
+    return json.loads(line.removeprefix("FAKE-PRETRAIN "))
+
+
+def test_entry_registers_knobs_validates_and_installs() -> None:
+    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", "--script-flag", "x",
+                *RING, "--moe-bufreuse-expert-policy", "stream-ordered"])  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    seen = _seen(res.stdout)
+    assert seen["hooked"] and seen["script_arg"] == "x"  # the script's own extra args still work
+    assert seen["knobs"]["moe_hybridep_num_expert_output_buffers"] == 2
+    assert seen["knobs"]["moe_bufreuse_expert_policy"] == "stream-ordered"
+
+
+def test_entry_checkout_from_environment_and_knobs_off() -> None:
+    res = _run(["--seq-length", "64", "--micro-batch-size", "2"], {"MEGATRON_LM_PATH": str(FAKE)})
+    assert res.returncode == 0, res.stderr
+    assert _seen(res.stdout)["hooked"] is False
+
+
+def test_entry_refuses_config_before_training() -> None:
+    res = _run(["--megatron-lm", str(FAKE), "--moe-token-dispatcher-type", "allgather", *RING])
+    assert res.returncode == 2
+    assert "FAKE-PRETRAIN" not in res.stdout
+    err = res.stderr.strip().splitlines()[-1]
+    assert err.startswith("bufreuse-megatron: error:") and "moe_token_dispatcher_type" in err
+    assert "[dispatch/ring]" in err and "[expert/ring]" in err  # every unmet requirement in the one message
+
+
+def test_entry_without_checkout_says_how_to_point_at_it(tmp_path: Path) -> None:
+    res = _run(["--seq-length", "64"])
+    assert res.returncode == 2 and "--megatron-lm PATH or set MEGATRON_LM_PATH" in res.stderr
+    res = _run(["--megatron-lm", str(tmp_path)])
+    assert res.returncode == 2 and "pretrain_gpt.py not found" in res.stderr
+
+
+def test_entry_rejects_unknown_arguments_like_upstream() -> None:
+    res = _run(["--megatron-lm", str(FAKE), "--no-such-flag"])
+    assert res.returncode == 2 and "unrecognized arguments: --no-such-flag" in res.stderr
