@@ -183,7 +183,7 @@ def normalise(raw: Any, *, path: str = "<snapshot>") -> SnapshotData:
     for t in tables.values():
         for action, n in sorted(t.unknown_actions.items()):
             if action in ANNOTATION_ACTIONS:
-                continue  # markers (torch >= 2.6 "user_defined"): expected, reported under skipped_entries
+                continue  # time markers (newer torch writes "user_defined"): listed in skipped_entries
             data.warnings.append(f"device {t.device}: {n} trace entries with action {action!r} skipped")
     return data
 

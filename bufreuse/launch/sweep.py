@@ -205,12 +205,17 @@ def run_sweep(
     sweep.write_manifest(manifest)
 
     skipped, to_run = [], []
+    # A configuration still queued or running (a SLURM job, or a local run of another process) is
+    # left alone: its files stay and it is not started twice; its launcher reports it when it ends.
+    in_flight = {cid for cid, state in runner.status(sweep).items() if state in ("queued", "running")}
     for cid in ids:
         m = sweep.paths(cid).read_metrics()
-        (to_run if spec.force or m is None or m["status"] == "cancelled" else skipped).append(cid)
+        rerun = spec.force or m is None or m["status"] == "cancelled"
+        (to_run if rerun and cid not in in_flight else skipped).append(cid)
     for n, cid in enumerate(skipped):
         if progress:
-            progress(ProgressEvent(config_id=cid, state="skipped", done=n + 1, total=len(ids)))
+            message = "already in flight" if cid in in_flight else "finished"
+            progress(ProgressEvent(config_id=cid, state="skipped", done=n + 1, total=len(ids), message=message))
     if to_run:
         try:
             runner.prepare(sweep, to_run)
