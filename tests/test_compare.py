@@ -107,7 +107,7 @@ def test_compare_seed_pair_gives_the_seed_verdicts() -> None:
     assert comp.node_sets == "differ"
     assert any("node sets differ" in c for c in comp.caveats)
     assert comp.explained is True
-    assert "4 × 539 MiB" in comp.explanation and "100% ring storage" in comp.explanation
+    assert "4 × 539 MiB" in comp.explanation and "the rings account for it (100%)" in comp.explanation
     assert ("slurm-2796654", "tflops_mean") in result.regressions
 
 
@@ -232,6 +232,7 @@ def test_compare_sweep_ring_explanation_and_memory_verdicts(tmp_path: Path) -> N
     assert ring4.metric("max_allocated_mib").verdict == "regression"
     assert ring4.ring_bytes == 2 * 4 * SLOT_BYTES
     assert ring4.explained is False  # 2048 MiB of rings vs +1588 MiB: the control's transients are gone
+    assert "-460 MiB is not ring storage" in ring4.explanation
     assert ring4.metric("pending_free_mib").verdict == "improvement"
     assert ring4.metric("step_ms_median").verdict == "parity"
     assert ring4.node_sets == "same" and not any("node" in c for c in ring4.caveats)
@@ -327,3 +328,16 @@ def test_compare_bare_snapshots_uses_snapshot_report_figures() -> None:
         m = comp.metric(metric)
         assert (m.baseline * MIB, m.value * MIB) == (base[key], other[key])
         assert m.verdict == ("parity" if abs(m.delta) <= 64 else "improvement" if m.delta < 0 else "regression")
+
+
+def test_resolve_sweep_flops_per_step_gives_per_step_throughput(tmp_path: Path) -> None:
+    flops = 95.0e12 * 0.0362  # 95 TFLOP/s at 36.2 ms
+    metrics = {c: make_metrics(c, flops_per_step=flops) for c in ("slots0", "slots4")}
+    make_sweep(tmp_path, configs=("slots0", "slots4"), metrics=metrics)
+    runs = resolve_runs(["control", "feature"], root=tmp_path)
+    assert len(runs[0].tflops) == 10
+    assert runs[0].tflops[0] == pytest.approx(flops / (runs[0].step_ms[0] * 1e9))
+    (comp,) = compare_runs(runs).comparisons
+    median = comp.metric("tflops_median")
+    assert median.verdict == "parity" and median.ci_low is not None
+    assert all(m.metric != "tflops" for m in comp.metrics)

@@ -103,6 +103,13 @@ def test_run_demo_on_real_examples(tmp_path: Path) -> None:
     result = run_demo(EXAMPLES, tmp_path / "demo")
     assert result.sweeps and result.summary
     assert all(p.is_file() for p in result.files)
+    assert result.snapshots and not [s["file"] for s in result.snapshots if "error" in s]
+    for sweep in result.sweeps:
+        compare = json.loads((tmp_path / "demo" / sweep.replace("/", "__") / "compare.json").read_text())
+        assert compare["baseline"].startswith("slots0")
+        for comp in compare["comparisons"]:
+            verdicts = {m["metric"]: m["verdict"] for m in comp["metrics"]}
+            assert verdicts.get("max_reserved_mib") in ("improvement", "parity", "regression")
 
 
 def test_demo_and_compare_import_no_torch(tmp_path: Path) -> None:

@@ -604,3 +604,30 @@ def test_watchdog_pause_holds_reports_until_resume():
         time.sleep(0.01)
     dog.close()
     assert len(dog.reports) == 1 and "slot 0" in dog.reports[0]
+
+
+# --- `bufreuse bench pool` on CPU tensors --------------------------------------------------------------
+
+
+def test_bench_pool_cli_cpu_json_and_table(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from bufreuse.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "bench.json"
+    args = ["bench", "pool", "--device", "cpu", "--tokens", "64", "--hidden", "32", "--iters", "50", "--repeats", "1"]
+    result = runner.invoke(app, [*args, "--json", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data == json.loads(out.read_text())
+    assert data["cpu_tensors"] and "CPU tensors" in data["note"] and data["shape"] == [64, 32]
+    names = [row["name"] for row in data["rows"]]
+    assert names[0] == "torch.empty + free (CPU)" and "BufferPool ring" in names
+    assert all(row["us_per_pair"] > 0 for row in data["rows"]) and data["rows"][0]["ratio"] == 1.0
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0 and "BufferRing.acquire + release" in table.stdout and "CPU tensors" in table.stdout
+    refused = runner.invoke(app, [*args, "--probe-external-events"])
+    assert refused.exit_code == 2 and "needs a CUDA device" in refused.output

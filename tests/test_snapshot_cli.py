@@ -128,3 +128,21 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
         [sys.executable, "-m", "bufreuse", "snapshot-report", str(bad)], capture_output=True, text=True, env=env
     )
     assert out.returncode != 0 and "Traceback" in out.stderr and "SnapshotFormatError" in out.stderr
+
+
+def test_combined_names_megatron_rank_files() -> None:
+    from bufreuse.analysis.snapshot_report import FileResult, combine
+
+    def res(name: str, peak: int) -> FileResult:
+        return FileResult(file=f"/runs/{name}", report={"max_reserved_bytes": peak, "num_trace_events": 1})
+
+    results = [res("snap_base_0.pickle", 5), res("snap_base_12.pickle.gz", 9), res("snap_base_3.pickle", 7)]
+    figs = combine([*results, FileResult(file="/runs/bad.pickle", error="x")])
+    assert combine(results)["figures"]["max_reserved_bytes"] == {
+        "min": 5,
+        "median": 7,
+        "max": 9,
+        "worst_file": "/runs/snap_base_12.pickle.gz",
+        "worst_rank": 12,
+    }
+    assert figs["failed"] == 1 and figs["reported"] == 3

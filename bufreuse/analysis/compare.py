@@ -366,13 +366,18 @@ def _explain_allocated(base: RunRecord, run: RunRecord, comp: RunComparison, ban
         if slots and name in run.ring_slot_bytes
     ]
     ring_mib = (run.ring_bytes - base_ring) / MIB
-    share = ring_mib / m.delta * 100 if m.delta else math.inf
     comp.explained = m.band is not None and abs(m.delta - ring_mib) <= m.band
+    if comp.explained:
+        verdict = f"the rings account for it ({ring_mib / m.delta:.0%})" if m.delta else "the rings account for it"
+    else:
+        rest = m.delta - ring_mib
+        verdict = f"{rest:+.0f} MiB is not ring storage" + (
+            " (likely transient buffers in the control's peak that the rings replace)" if rest < 0 else ""
+        )
     comp.explanation = (
         f"ring storage {' + '.join(parts) or 'none'} = {ring_mib:+g} MiB"
         + (f" vs baseline rings {base_ring / MIB:g} MiB" if base_ring else "")
-        + f"; allocated delta {m.delta:+.0f} MiB"
-        + (f" ({share:.0f}% ring storage)" if math.isfinite(share) else "")
+        + f"; allocated delta {m.delta:+.0f} MiB: {verdict}"
         + f"; slot size from {run.slot_bytes_source}"
     )
     if comp.explained and m.verdict == "regression":

@@ -104,6 +104,9 @@ def iteration_figure(result: ComparisonResult) -> Figure:
         ax.text(0.5, 0.5, "no per-iteration data in these runs", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return fig
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("steady-state sample")
     ax.set_ylabel("TFLOP/s/GPU" if use_tflops else "ms per step")
     ax.set_title("Per-iteration throughput" if use_tflops else "Per-step time")

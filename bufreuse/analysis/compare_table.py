@@ -114,8 +114,7 @@ def comparison_renderable(result: ComparisonResult) -> Group:
         if comp.status != "ok":
             parts.append(Text(f"{comp.label}: status {comp.status}; no metrics compared", style="bold red"))
         if comp.explanation:
-            mark = " (accounts for it)" if comp.explained else ""
-            parts.append(Text(f"{comp.label}: {comp.explanation}{mark}"))
+            parts.append(Text(f"{comp.label}: {comp.explanation}"))
         for m in comp.metrics:
             if m.note:
                 parts.append(Text(f"{comp.label}: {m.title}: {m.note}", style="yellow"))

@@ -172,6 +172,10 @@ def _from_config(paths: ConfigPaths, label: str) -> RunRecord:
         run.step_ms = [float(step["median"])]
         run.warnings.append("metrics.json has no per-step values; using the median only")
     run.tflops_value = float(metrics["tflops"]) if _finite(metrics.get("tflops")) else None
+    flops = metrics.get("flops_per_step")
+    if _finite(flops) and flops > 0 and run.step_ms and step.get("values"):
+        # per-step throughput from the same FLOP count the runner divided by the median step time
+        run.tflops = [flops / (ms * 1e9) for ms in run.step_ms if ms > 0]
     run.max_allocated_bytes = _int(metrics.get("max_allocated_bytes"))
     run.max_reserved_bytes = _int(metrics.get("max_reserved_bytes"))
     run.device_used_bytes = _int(metrics.get("device_used_bytes"))

@@ -357,7 +357,7 @@ def _timeline(t: EventTable, r: Replay, points: int) -> Timeline | None:
     )
 
 
-_RANK = re.compile(r"rank[_-]?(\d+)|_(\d+)\.pickle")
+_RANK = re.compile(r"rank[_-]?(\d+)|_(\d+)(?:\.[A-Za-z0-9]+)+$")  # snap_rank3.pickle, P_base_3.pickle.gz
 
 
 def combine(results: Sequence[FileResult]) -> dict[str, Any]:

@@ -104,6 +104,7 @@ class _progress:
 
 
 def _render(result: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     env = result["env"]
@@ -116,7 +117,10 @@ def _render(result: dict[str, Any]) -> None:
     table.add_column("min–max µs", justify="right")
     for row in result["rows"]:
         table.add_row(
-            row["name"], f"{row['us_per_pair']:.2f}", f"{row['ratio']:.2f}", f"{row['min_us']:.2f}–{row['max_us']:.2f}"
+            escape(row["name"]),
+            f"{row['us_per_pair']:.2f}",
+            f"{row['ratio']:.2f}",
+            f"{row['min_us']:.2f}–{row['max_us']:.2f}",
         )
     console.print(table)
     if result["note"]:
@@ -127,4 +131,4 @@ def _render(result: dict[str, Any]) -> None:
         f"{verdict} the target ≤ {result['target_ratio']}"
     )
     for name, probe in (result.get("external_events") or {}).items():
-        console.print(f"  {name}: {probe['status']} — {probe['detail']}", soft_wrap=True)
+        console.print(f"  {escape(name)}: {probe['status']} — {escape(probe['detail'])}", soft_wrap=True)

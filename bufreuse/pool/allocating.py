@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from bufreuse.pool._config import check_config, resolve_device
 from bufreuse.pool._device import DeviceOps, env_debug
 from bufreuse.pool.errors import CaptureStateError, DoubleReleaseError, ForeignTensorError, StaticShapeError
-from bufreuse.pool.ring import Phase, RingStats, _check_config, _resolve_device
+from bufreuse.pool.ring import Phase, RingStats
 
 __all__ = ["AllocatingBuffer"]
 
@@ -47,11 +48,11 @@ class AllocatingBuffer:
     ) -> None:
         if policy not in ("record-stream", "stream-ordered"):
             raise ValueError(f"AllocatingBuffer policy must be 'record-stream' or 'stream-ordered', got {policy!r}")
-        self.max_shape = _check_config(name, 1, max_shape, dtype)
+        self.max_shape = check_config(name, 1, max_shape, dtype)
         self.name = name
         self.policy = str(policy)
         self.dtype = dtype
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.debug = env_debug() if debug is None else bool(debug)
         self._ops = DeviceOps(self.device)
         self._cuda = self._ops.cuda

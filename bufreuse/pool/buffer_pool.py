@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
+from bufreuse.pool._config import resolve_device, storage_ptr
 from bufreuse.pool._device import env_debug
 from bufreuse.pool.allocating import AllocatingBuffer
 from bufreuse.pool.errors import CaptureStateError, RingConfigError, UnknownBufferError
 from bufreuse.pool.guard import autograd_guard
 from bufreuse.pool.policy import Policy
-from bufreuse.pool.ring import BufferRing, Phase, RingStats, _resolve_device, _storage_ptr
+from bufreuse.pool.ring import BufferRing, Phase, RingStats
 from bufreuse.pool.watchdog import Watchdog
 
 __all__ = ["BufferPool"]
@@ -44,9 +45,7 @@ class BufferPool:
     def __init__(
         self, device: torch.device | str | None = None, *, debug: bool | None = None, watchdog_s: float | None = None
     ) -> None:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.debug = env_debug() if debug is None else bool(debug)
         self.watchdog: Watchdog | None = Watchdog(watchdog_s) if self.debug and self.device.type == "cuda" else None
         self._entries: dict[str, BufferRing | AllocatingBuffer] = {}
@@ -130,7 +129,7 @@ class BufferPool:
 
     def is_ring_storage(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` aliases any ring's storage (live or stale). Pure; about 0.5 us."""
-        return _storage_ptr(tensor) in self._rings_by_storage
+        return storage_ptr(tensor) in self._rings_by_storage
 
     def owns(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the live acquisition of buffer ``name``. Pure."""

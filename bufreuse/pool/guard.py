@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from bufreuse.pool._config import storage_ptr
 from bufreuse.pool.errors import SavedForBackwardError
-from bufreuse.pool.ring import BufferRing, _storage_ptr
+from bufreuse.pool.ring import BufferRing
 
 __all__ = ["autograd_guard"]
 
@@ -60,7 +61,7 @@ def autograd_guard(rings_by_storage: dict[int, BufferRing]) -> Iterator[None]:
     """Install pack/unpack hooks that track ring storage saved for backward (see the module doc)."""
 
     def pack(tensor: torch.Tensor) -> Any:
-        ring = rings_by_storage.get(_storage_ptr(tensor))
+        ring = rings_by_storage.get(storage_ptr(tensor))
         if ring is None:
             return tensor
         index = ring.slot_of(tensor)
