@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import click
 import typer
 from rich.console import Console
 
 from bufreuse.errors import BufreuseError
 
-__all__ = ["CliState", "console", "err_console", "handle_errors", "is_debug"]
+__all__ = ["CliState", "console", "err_console", "handle_errors", "is_debug", "set_debug"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,12 +28,17 @@ class CliState:
     """Show tracebacks instead of one-line errors (``--debug`` or ``BUFREUSE_CLI_DEBUG=1``)."""
 
 
+# Set by the root callback on every invocation (so CliRunner tests never inherit a stale value).
+_debug: contextvars.ContextVar[bool] = contextvars.ContextVar("bufreuse_cli_debug", default=False)
+
+
+def set_debug(value: bool) -> None:
+    _debug.set(value)
+
+
 def is_debug() -> bool:
-    ctx = click.get_current_context(silent=True)
-    state = ctx.find_root().obj if ctx is not None else None
-    if isinstance(state, CliState) and state.debug:
-        return True
-    return os.environ.get("BUFREUSE_CLI_DEBUG", "") not in ("", "0")
+    """``--debug`` was given, or ``BUFREUSE_CLI_DEBUG`` is set to something other than 0."""
+    return _debug.get() or os.environ.get("BUFREUSE_CLI_DEBUG", "") not in ("", "0")
 
 
 def handle_errors(fn: F) -> F:
@@ -47,7 +52,7 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        except (typer.Exit, typer.Abort):
             raise
         except BufreuseError as e:
             if is_debug():

@@ -9,7 +9,7 @@ import typer
 
 from bufreuse import __version__
 from bufreuse.cli import bench, check_config, compare, demo, snapshot_report, sweep
-from bufreuse.cli._common import CliState
+from bufreuse.cli._common import CliState, set_debug
 
 __all__ = ["app", "main"]
 
@@ -37,6 +37,7 @@ def _root(
     ] = False,
 ) -> None:
     ctx.obj = CliState(debug=debug)
+    set_debug(debug)
 
 
 for _module in (snapshot_report, sweep, compare, demo, check_config, bench):
