@@ -312,15 +312,29 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
     return out
 
 
-def check(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`bufreuse.integrations.requirements.check` (the full checklist, never raises on unmet rows)."""
+def check(
+    cfg: Any,
+    knobs: BufReuseConfig,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    features: Any = None,
+) -> Any:
+    """Evaluate the requirement matrix (never raises on unmet rows); see ``bufreuse.integrations.requirements``."""
     from bufreuse.integrations.requirements import check as _check
 
-    return _check(*args, **kwargs)
+    return _check(cfg, knobs, seq_length=seq_length, micro_batch_size=micro_batch_size, features=features)
 
 
-def validate(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`bufreuse.integrations.requirements.validate` (raises one ``ConfigError`` listing every unmet row)."""
+def validate(
+    cfg: Any,
+    knobs: BufReuseConfig,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    features: Any = None,
+) -> Any:
+    """Check at start-up against a ``TransformerConfig``; raise ONE ``ConfigError`` listing every unmet row."""
     from bufreuse.integrations.requirements import validate as _validate
 
-    return _validate(*args, **kwargs)
+    return _validate(cfg, knobs, seq_length=seq_length, micro_batch_size=micro_batch_size, features=features)

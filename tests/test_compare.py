@@ -15,10 +15,9 @@ from bufreuse.analysis.compare import (
     bootstrap_median_diff,
     compare_runs,
     compare_specs,
-    parse_slot_sizes,
     summarise,
 )
-from bufreuse.analysis.runs import MIB, resolve_runs
+from bufreuse.analysis.runs import MIB, parse_slot_sizes, resolve_runs
 from bufreuse.errors import InputError, LogFormatError
 from bufreuse.sweepdir import SweepDir
 
@@ -201,6 +200,19 @@ def test_resolve_unfinished_config_folder_raises(tmp_path: Path) -> None:
     (sweep.folder / "slots4" / "metrics.json").unlink()
     with pytest.raises(InputError, match=r"no finished metrics\.json"):
         resolve_runs(["control", "slots4"], root=tmp_path)
+
+
+def test_resolve_unfinished_config_in_feature_is_pending(tmp_path: Path) -> None:
+    sweep = make_sweep(tmp_path)
+    (sweep.folder / "slots4" / "metrics.json").unlink()
+    result = compare_specs(["control", "feature"], root=tmp_path)
+    pending = next(c for c in result.comparisons if c.label == "slots4")
+    assert pending.status == "pending" and all(m.verdict == "n/a" for m in pending.metrics)
+    assert [c.status for c in result.comparisons].count("ok") == 3
+    from bufreuse.analysis.compare_plot import memory_figure
+
+    ax = memory_figure(result).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["slots0", "slots2", "slots10", "stream-ordered"]
 
 
 def test_resolve_megatron_folder_picks_the_log_and_job_json(tmp_path: Path) -> None:

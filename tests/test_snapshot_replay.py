@@ -120,7 +120,8 @@ def test_site_skips_torch_stdlib_frozen_and_pool_frames() -> None:
         TORCH,
         frame("/usr/lib/python3.11/contextlib.py", "__enter__"),
         frame("<frozen runpy>", "_run_code"),
-        frame("/src/bufreuse/pool.py", "acquire"),
+        frame("/src/bufreuse/pool/ring.py", "acquire"),
+        frame("/src/bufreuse/pool/buffer_pool.py", "acquire"),
         frame("/src/model/layer.py", "forward", 42),
         frame("/src/model/train.py", "step", 7),
     ]

@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bufreuse.analysis.runs import MIB, RunRecord, normalise_buffer, resolve_runs
+from bufreuse.analysis.runs import MIB, RunRecord, resolve_runs
 from bufreuse.errors import InputError
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "bootstrap_median_diff",
     "compare_runs",
     "compare_specs",
-    "parse_slot_sizes",
     "summarise",
 ]
 
@@ -209,23 +208,6 @@ def compare_specs(
     """Resolve ``specs`` (labels, folders, logs, snapshots) and compare them, the first as baseline."""
     runs = resolve_runs(specs, root=root, warmup=warmup)
     return compare_runs(runs, bands=bands, slot_bytes=slot_bytes, warmup=warmup)
-
-
-def parse_slot_sizes(slot_bytes: list[str] | None = None, slot_mib: list[str] | None = None) -> dict[str, int]:
-    """Parse ``BUF=BYTES`` / ``BUF=MIB`` options (a bare number applies to every ring buffer, key ``*``)."""
-    sizes: dict[str, int] = {}
-    for values, scale, option in ((slot_bytes or [], 1, "--slot-bytes"), (slot_mib or [], MIB, "--slot-mib")):
-        for item in values:
-            name, sep, number = item.rpartition("=")
-            try:
-                size = float(number)
-            except ValueError:
-                size = math.nan
-            if not math.isfinite(size) or size <= 0:
-                raise InputError(f"{option} {item!r}: expected BUF=SIZE or SIZE with SIZE > 0")
-            key = normalise_buffer(name) if sep else "*"
-            sizes[key] = round(size * scale)
-    return sizes
 
 
 def _apply_slot_bytes(run: RunRecord, slot_bytes: dict[str, int]) -> None:

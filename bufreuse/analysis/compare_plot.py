@@ -39,7 +39,7 @@ def memory_figure(result: ComparisonResult) -> Figure:
 
     fig = _figure()
     ax = fig.add_subplot()
-    labels = [r.label for r in result.runs]
+    labels = [r.label for r in result.runs if r.status == "ok"]
     metrics = [(k, t) for k, t in _MEMORY if any(result.stats[lb][k] is not None for lb in labels)]
     if not metrics:
         ax.text(0.5, 0.5, "no memory figures in these runs", ha="center", va="center", transform=ax.transAxes)
@@ -67,6 +67,8 @@ def throughput_figure(result: ComparisonResult) -> Figure:
     series, unit = ("tflops", "TFLOP/s/GPU") if use_tflops else ("step_ms", "ms per step")
     labels, medians, lows, highs = [], [], [], []
     for run in result.runs:
+        if run.status != "ok":
+            continue
         s = result.stats[run.label][series]
         if s["n"]:
             labels.append(run.label)

@@ -57,9 +57,9 @@ class DemoResult:
 
 
 def default_examples_dir() -> Path:
-    """``./examples`` if it exists, else the ``examples/`` folder of a source checkout of bufreuse."""
+    """``./examples`` if it holds a sweep, else the ``examples/`` folder of a source checkout of bufreuse."""
     local = Path("examples")
-    if local.is_dir():
+    if local.is_dir() and any(local.rglob(SweepDir.MANIFEST)):
         return local
     return Path(__file__).resolve().parents[2] / "examples"
 

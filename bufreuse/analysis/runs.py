@@ -28,7 +28,7 @@ from bufreuse.errors import InputError, LogFormatError
 from bufreuse.fsutil import read_json
 from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
 
-__all__ = ["BUFFER_ALIASES", "RunRecord", "normalise_buffer", "resolve_runs"]
+__all__ = ["BUFFER_ALIASES", "RunRecord", "normalise_buffer", "parse_slot_sizes", "resolve_runs"]
 
 MIB = 1 << 20
 BUFFER_ALIASES = {
@@ -91,6 +91,23 @@ def normalise_buffer(name: str) -> str:
         raise InputError(f"unknown buffer {name!r}; use one of {', '.join(sorted(BUFFER_ALIASES))}") from None
 
 
+def parse_slot_sizes(slot_bytes: list[str] | None = None, slot_mib: list[str] | None = None) -> dict[str, int]:
+    """Parse ``BUF=BYTES`` / ``BUF=MIB`` options (a bare number applies to every ring buffer, key ``*``)."""
+    sizes: dict[str, int] = {}
+    for values, scale, option in ((slot_bytes or [], 1, "--slot-bytes"), (slot_mib or [], MIB, "--slot-mib")):
+        for item in values:
+            name, sep, number = item.rpartition("=")
+            try:
+                size = float(number)
+            except ValueError:
+                size = math.nan
+            if not math.isfinite(size) or size <= 0:
+                raise InputError(f"{option} {item!r}: expected BUF=SIZE or SIZE with SIZE > 0")
+            key = normalise_buffer(name) if sep else "*"
+            sizes[key] = round(size * scale)
+    return sizes
+
+
 def resolve_runs(specs: list[str], *, root: str | os.PathLike[str] | None = None, warmup: int = 3) -> list[RunRecord]:
     """Turn command-line specs into run records, in order (a label may expand to several runs)."""
     if not specs:
@@ -110,7 +127,7 @@ def _from_path(path: Path, warmup: int) -> list[RunRecord]:
     if path.is_dir():
         if SweepDir(path).exists():
             sweep = SweepDir(path)
-            return [_from_config(sweep.paths(cid), cid) for cid in sweep.config_ids()]
+            return [_from_config(sweep.paths(cid), cid, required=False) for cid in sweep.config_ids()]
         if (path / "metrics.json").is_file() or (path / "config.json").is_file():
             return [_from_config(ConfigPaths(path), path.name)]
         return [_from_megatron_folder(path, warmup)]
@@ -147,7 +164,7 @@ def _from_label(label: str, root: str | os.PathLike[str] | None) -> list[RunReco
             f"unknown label {label!r}: not a path, not 'control'/'feature', "
             f"and not a configuration of {sweep.folder} ({', '.join(ids)})"
         )
-    return [_from_config(sweep.paths(cid), cid) for cid in chosen]
+    return [_from_config(sweep.paths(cid), cid, required=label != "feature") for cid in chosen]
 
 
 def _control_id(ids: list[str]) -> str | None:
@@ -156,12 +173,17 @@ def _control_id(ids: list[str]) -> str | None:
     return next((c for c in ids if c.startswith("slots0")), None)
 
 
-def _from_config(paths: ConfigPaths, label: str) -> RunRecord:
-    if not paths.folder.is_dir():
+def _from_config(paths: ConfigPaths, label: str, *, required: bool = True) -> RunRecord:
+    """One configuration; an unfinished one is an error when named alone, a ``pending`` run in a group."""
+    if not paths.folder.is_dir() and required:
         raise InputError(f"{paths.folder}: no such configuration folder")
     metrics = paths.read_metrics()
     if metrics is None:
-        raise InputError(f"{paths.folder}: no finished metrics.json (run the sweep, or `bufreuse sweep --resume`)")
+        if required:
+            raise InputError(f"{paths.folder}: no finished metrics.json (run or resume the sweep first)")
+        run = RunRecord(label=label, source=paths.folder, kind="sweep", status="pending")
+        run.warnings.append("no metrics.json yet: still running, or never run")
+        return run
     run = RunRecord(label=label, source=paths.folder, kind="sweep", status=str(metrics["status"]))
     if run.status != "ok":
         run.warnings.append(f"status {run.status}: {metrics.get('error') or 'no error message'}")

@@ -4,7 +4,7 @@ Only the frames of a block's ``alloc`` entry are used (never those of its free),
 few blocks a report names, so the cost is per named block (~2 µs), not per event.
 
 - site: the N-th "user" frame, ``path:line:function`` with the path cut to its last two parts;
-  frames from torch, the standard library, ``<frozen ...>`` and ``bufreuse/pool.py`` are skipped
+  frames from torch, the standard library, ``<frozen ...>`` and ``bufreuse/pool`` are skipped
   (the ring's own allocation frames would hide who asked for it).
 - category: the first rule whose regex is found in any ``filename:name`` of the whole stack.
 """
@@ -38,7 +38,7 @@ DEFAULT_SITE_SKIP: tuple[str, ...] = (
     r"^<frozen ",
     r"(^|/)lib/python3\.\d+/(?!site-packages/|dist-packages/)",  # any stdlib, not only this Python's
     _STDLIB + r"(?!site-packages/)",
-    r"(^|/)bufreuse/pool\.py$",
+    r"(^|/)bufreuse/pool(\.py$|/)",
     r"^\?\?$|^$",  # frames without a file
 )
 UNKNOWN_SITE = "<no user frame>"

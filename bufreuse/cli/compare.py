@@ -49,8 +49,9 @@ def compare(
     ] = False,
 ) -> None:
     """Compare runs against the first one: deltas, noise bands, verdicts, ring-storage explanation."""
-    from bufreuse.analysis.compare import Bands, compare_specs, parse_slot_sizes
+    from bufreuse.analysis.compare import Bands, compare_specs
     from bufreuse.analysis.compare_table import comparison_json, comparison_renderable, write_comparison
+    from bufreuse.analysis.runs import parse_slot_sizes
     from bufreuse.errors import CheckFailedError
 
     bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)

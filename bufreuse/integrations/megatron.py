@@ -168,10 +168,10 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     orig_post, orig_compute = disp.dispatch_postprocess, layer.routed_experts_compute
     from megatron.core.tensor_parallel import all_to_all
 
+    if getattr(disp, "shared_experts", None) is not None:
+        raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
+
     def token_dispatch(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shared = getattr(disp, "shared_experts", None)
-        if shared is not None:
-            shared.wait_current_stream()
         disp.tokens_per_expert = disp._maybe_dtoh_and_synchronize("before_ep_alltoall", disp.tokens_per_expert)
         nccl = bool(getattr(disp, "use_nccl_stream", False))
         box: list[Held] = []
@@ -179,8 +179,6 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
             tokens, pool, DISPATCH, disp.ep_group, disp.output_splits, disp.input_splits, nccl, box
         )
         state.dispatch = box[0]
-        if shared is not None:
-            shared.linear_fc1_forward_and_act(out)
         kwargs = {"use_nccl_stream": nccl} if hasattr(disp, "use_nccl_stream") else {}
         global_probs = all_to_all(disp.ep_group, probs, disp.output_splits, disp.input_splits, **kwargs)
         return out, global_probs

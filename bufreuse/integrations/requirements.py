@@ -221,6 +221,17 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         test=lambda c: not _get(c.cfg, "moe_grouped_gemm", False),
     ),
     Requirement(
+        key="no_shared_expert_overlap",
+        buffers=frozenset({"dispatch"}),
+        paths=frozenset({"alltoall"}),
+        policies=REUSE,
+        text="no shared-expert overlap inside the dispatcher",
+        fix="set moe_shared_expert_overlap=False",
+        why="megatron-core moved the overlapped shared-expert FC1 between token_dispatch (0.19) and "
+        "dispatch_postprocess (0.16); the dispatch hook does not replay either",
+        test=lambda c: not _get(c.cfg, "moe_shared_expert_overlap", False),
+    ),
+    Requirement(
         key="no_moe_recompute",
         buffers=BOTH,
         paths=frozenset({"alltoall"}),
