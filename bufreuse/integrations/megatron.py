@@ -81,7 +81,8 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     """Register the enabled buffers on ``pool`` and hook every all-to-all ``MoELayer`` in ``model``.
 
     ``tokens``: tokens per rank per microbatch entering a MoE layer (sizes the static bound).
-    Raises :class:`ConfigError` for MoE layers on another dispatcher or a second active install.
+    Raises :class:`ConfigError` for MoE layers on another dispatcher, already hooked, or with settings
+    the hooks do not replay (shared-expert overlap, non-SequentialMLP experts). Run ``validate`` first.
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
