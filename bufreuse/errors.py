@@ -14,6 +14,7 @@ __all__ = [
     "InputError",
     "JobFailedError",
     "LogFormatError",
+    "OutputError",
     "SnapshotFormatError",
     "SubmissionError",
 ]
@@ -27,6 +28,13 @@ class BufreuseError(Exception):
 
 class InputError(BufreuseError):
     """Bad user input: a missing file, an unknown label, an option out of range."""
+
+
+class OutputError(InputError, OSError):
+    """A result cannot be written where asked (no permission, a file where a folder should be).
+
+    Also an ``OSError``, so code that handles failed writes as such keeps working.
+    """
 
 
 class SnapshotFormatError(InputError):

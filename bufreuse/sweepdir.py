@@ -30,19 +30,66 @@ from bufreuse.fsutil import atomic_write_json, read_json
 
 __all__ = [
     "DEFAULT_SWEEPS_ROOT",
+    "METRIC_FIGURES",
     "STATUSES",
     "SWEEPS_ENV",
     "ConfigPaths",
     "SweepDir",
+    "blank_metrics",
     "check_config_id",
     "latest_sweep",
     "sweeps_root",
+    "utc_now",
 ]
 
 SWEEPS_ENV = "BUFREUSE_SWEEPS"
 DEFAULT_SWEEPS_ROOT = Path("bufreuse-sweeps")
 STATUSES = ("ok", "failed", "hung", "timeout", "cancelled")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+METRIC_FIGURES: dict[str, Any] = {
+    "max_reserved_bytes": None,
+    "max_allocated_bytes": None,
+    "device_used_bytes": None,
+    "step_ms": None,
+    "tflops": None,
+    "pending_free_at_max_active_bytes": None,
+    "pending_free_by_category_at_max_active": None,
+    "ring_bytes": {},
+    "ring_slot_bytes": {},
+    "checksum": None,
+}
+"""The measured figures of ``metrics.json`` and their value when nothing was measured.
+
+Besides these, every ``metrics.json`` has ``status``, ``error``, ``config``, ``env``,
+``started_at`` and ``finished_at`` (see :func:`blank_metrics`).
+"""
+
+
+def utc_now() -> str:
+    """The current UTC time as ISO 8601 to the second (the stamp every sweep file uses)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def blank_metrics(
+    *,
+    status: str,
+    error: str | None,
+    config: dict[str, Any],
+    env: dict[str, Any],
+    started_at: str | None,
+) -> dict[str, Any]:
+    """A complete ``metrics.json`` object with every figure unmeasured (None, or ``{}`` for maps).
+
+    Writers fill in what they measured; readers (tables, ``compare``) can then rely on every key
+    being present, whichever way the run ended. ``finished_at`` is stamped now.
+    """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    metrics: dict[str, Any] = {"status": status, "error": error, "config": config}
+    metrics.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in METRIC_FIGURES.items()})
+    metrics.update(env=env, started_at=started_at, finished_at=utc_now())
+    return metrics
 
 
 def sweeps_root(override: str | os.PathLike[str] | None = None) -> Path:
@@ -128,7 +175,7 @@ class SweepDir:
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Write the manifest atomically; stamps ``created_at`` on first write."""
         manifest = dict(manifest)
-        manifest.setdefault("created_at", datetime.now(UTC).isoformat(timespec="seconds"))
+        manifest.setdefault("created_at", utc_now())
         for cid in manifest.get("configs", []):
             check_config_id(cid)
         atomic_write_json(self.manifest_path, manifest)

@@ -110,6 +110,34 @@ def test_compare_seed_pair_gives_the_seed_verdicts() -> None:
     assert ("slurm-2796654", "tflops_mean") in result.regressions
 
 
+def test_compare_seed_pair_ring_growth_does_not_gate() -> None:
+    result = compare_specs([str(CONTROL_LOG), str(FEATURE_LOG)])
+    allocated = result.comparisons[0].metric("max_allocated_mib")
+    assert allocated.verdict == "regression" and allocated.explained_by == "ring storage: 4 × 539 MiB"
+    assert not allocated.fails_gate
+    assert ("slurm-2796654", "max_allocated_mib") in result.regressions
+    assert ("slurm-2796654", "max_allocated_mib") not in result.failing
+    assert ("slurm-2796654", "device_used_mib") in result.failing
+    assert {"run": "slurm-2796654", "metric": "max_allocated_mib"} not in result.to_dict()["failing"]
+
+
+def test_compare_growth_beyond_ring_storage_still_gates(tmp_path: Path) -> None:
+    runs = resolve_runs([str(CONTROL_LOG), str(FEATURE_LOG)])
+    result = compare_runs(runs, slot_bytes=parse_slot_sizes(None, ["expert=100"]))  # rings 400 MiB < +2156
+    allocated = result.comparisons[0].metric("max_allocated_mib")
+    assert allocated.explained_by is None and allocated.fails_gate
+    assert ("slurm-2796654", "max_allocated_mib") in result.failing
+
+
+def test_compare_sweep_growth_below_ring_storage_does_not_gate(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    result = compare_specs(["control", "slots4"], root=tmp_path)
+    allocated = result.comparisons[0].metric("max_allocated_mib")
+    # +1588 MiB against 2048 MiB of rings: not "accounted for", but covered by them: no gate failure
+    assert allocated.verdict == "regression" and result.comparisons[0].explained is False
+    assert allocated.explained_by == "ring storage: 4 × 256 MiB + 4 × 256 MiB" and not allocated.fails_gate
+
+
 def _strip_line(src: Path, dst: Path, needle: str) -> Path:
     dst.write_text("".join(line for line in src.read_text().splitlines(True) if needle not in line))
     return dst

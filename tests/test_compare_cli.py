@@ -56,6 +56,21 @@ def test_cli_compare_fail_on_regression_passes_within_bands(tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
 
 
+def test_cli_compare_fail_on_regression_ring_growth_passes(tmp_path: Path) -> None:
+    args = ["compare", str(CONTROL_LOG), str(FEATURE_LOG), "--fail-on-regression", "--throughput-band", "1.5"]
+    # device used +1990 MiB is parity in a 2000 MiB band; allocated +2156 MiB is not, but the rings cover it
+    result = runner.invoke(app, [*args, "--memory-band-mib", "2000"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "regression, explained by ring storage: 4 × 539 MiB" in result.output
+
+
+def test_cli_compare_fail_on_regression_growth_beyond_rings_fails(tmp_path: Path) -> None:
+    args = ["compare", str(CONTROL_LOG), str(FEATURE_LOG), "--fail-on-regression", "--throughput-band", "1.5"]
+    result = runner.invoke(app, [*args, "--memory-band-mib", "1000", "--slot-mib", "expert=100"])
+    assert result.exit_code == 1  # rings 400 MiB + band 1000 MiB < +2156 MiB; device +1990 fails too
+    assert "slurm-2796654:max_allocated_mib" in result.output
+
+
 def test_cli_compare_slot_mib_explains_allocated(tmp_path: Path) -> None:
     feature = tmp_path / "feature.out"
     feature.write_text(

@@ -89,6 +89,13 @@ def test_cli_demo_missing_examples_exit_two(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "no such examples folder" in result.output
 
 
+def test_cli_demo_out_is_a_file_exit_two(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("not a folder")
+    result = runner.invoke(app, ["demo", "--examples", str(_examples(tmp_path)), "--out", str(tmp_path / "taken")])
+    assert result.exit_code == 2, result.output
+    assert "cannot write here" in result.output and "internal error" not in result.output
+
+
 def test_cli_demo_live_without_cuda_exit_two(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

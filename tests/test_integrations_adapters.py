@@ -69,10 +69,15 @@ def test_hybridep_adapter_hands_the_slot_to_deepep() -> None:
     hidden, routing, probs = _routing()
     pool = _pool("dispatch_output", BOUND, HIDDEN)
     (out, out_probs, _, counts, _), slot = dispatch_into_pool(
-        pool, dep.HybridEPBuffer(), hidden=hidden, num_permuted_tokens=BOUND, routing_map=routing, probs=probs
+        pool,
+        dep.HybridEPBuffer(None, 0, 0, 0),
+        hidden=hidden,
+        num_permuted_tokens=BOUND,
+        routing_map=routing,
+        probs=probs,
     )
     assert out.data_ptr() == slot.data_ptr() and pool.is_ring_storage(out)
-    ref, ref_probs, _, ref_counts, _ = dep.HybridEPBufferUpstream().dispatch_with_permute(
+    ref, ref_probs, _, ref_counts, _ = dep.HybridEPBufferUpstream(None, 0, 0, 0).dispatch_with_permute(
         hidden=hidden, num_permuted_tokens=BOUND, routing_map=routing, probs=probs
     )
     assert torch.equal(out, ref) and torch.equal(out_probs, ref_probs) and torch.equal(counts, ref_counts)
@@ -83,11 +88,11 @@ def test_hybridep_adapter_fails_early_without_output_token() -> None:
     hidden, routing, _ = _routing()
     pool = _pool("dispatch_output", BOUND, HIDDEN)
     with pytest.raises(ConfigError, match="output_token"):
-        dispatch_into_pool(pool, dep.HybridEPBufferUpstream(), hidden=hidden, num_permuted_tokens=BOUND,
+        dispatch_into_pool(pool, dep.HybridEPBufferUpstream(None, 0, 0, 0), hidden=hidden, num_permuted_tokens=BOUND,
                            routing_map=routing)  # fmt: skip
     with pytest.raises(RuntimeError, match="ignored output_token"):
         dispatch_with_output_token(
-            dep.HybridEPBufferIgnoringOutput(), torch.empty(BOUND, HIDDEN), hidden=hidden,
+            dep.HybridEPBufferIgnoringOutput(None, 0, 0, 0), torch.empty(BOUND, HIDDEN), hidden=hidden,
             num_permuted_tokens=BOUND, routing_map=routing,
         )  # fmt: skip
 

@@ -4,7 +4,10 @@ At EP = 1 the all-to-all is an identity and everything runs on one stream, so th
 correctness of the hooks, not memory savings (that needs EP > 1, see docs/megatron.md):
 identical outputs and gradients with and without rings over interleaved forwards/backwards,
 no allocations from the hooked sites after warm-up, the ``ScheduleNode(free_input=True)`` skip,
-and a slow consumer on another stream. A JSON summary goes to ``$OUT/megatron-gpu-summary.json``.
+a slow consumer on another stream, and full-iteration CUDA graphs (megatron-core's own
+``FullCudaGraphWrapper`` as patched by ``install``, and a plain ``torch.cuda.graph`` loop with
+``capture_iteration``): replays and eager iterations after them equal the eager control.
+A JSON summary goes to ``$OUT/megatron-gpu-summary.json``.
 """
 
 from __future__ import annotations
@@ -238,3 +241,184 @@ def test_slow_consumer_on_other_stream_still_matches(parallel, monkeypatch) -> N
     SUMMARY["slow_consumer"] = {"max_diff": diff, "control_run_to_run": tol, "gpu_waits": waits}
     assert diff <= tol
     assert pool.stats()["dispatch_output"].gpu_waits >= 1
+
+
+# --- full-iteration CUDA graphs (drop-and-pad: the dropless dispatcher syncs token counts to the host) ---
+
+GRAPH_MICROBATCHES = 2
+
+
+@pytest.fixture
+def graphable_rng(parallel):
+    """Megatron's RNG tracker in its graph-safe mode, as its training init sets it for cuda_graph_impl != none."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
+    yield
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def _pad_layer():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=8,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+        cuda_graph_impl="full_iteration",
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+    return get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False).submodules.mlp(config=cfg).cuda()
+
+
+def _iteration_data(n: int, seed: int) -> list[list[dict]]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def t():
+        return torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    return [[{"x": t(), "dy": t()} for _ in range(GRAPH_MICROBATCHES)] for _ in range(n)]
+
+
+def _fwd_bwd(*, model, data_iterator, num_microbatches, seq_length, forward_only):
+    """A forward_backward_func for FullCudaGraphWrapper: F0 B0 F1 B1; returns outputs and all grads.
+
+    ``torch.autograd.grad`` returns the gradients (no AccumulateGrad into ``.grad``), so a captured
+    iteration's results are graph-owned tensors that every replay rewrites.
+    """
+    it = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for _ in range(num_microbatches):
+        batch = next(it)
+        x = batch["x"].detach().requires_grad_(True)
+        out, _ = model(x)
+        grads = torch.autograd.grad(out, [x, *params], batch["dy"], allow_unused=True)
+        results.append([out.detach(), *(g for g in grads if g is not None)])
+    return results
+
+
+def _flat(results) -> list:
+    return [t.clone() for mb in results for t in mb]
+
+
+def _eager(layer, data) -> list:
+    return _flat(_fwd_bwd(model=layer, data_iterator=iter(data), num_microbatches=GRAPH_MICROBATCHES,
+                          seq_length=SEQ, forward_only=False))  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["ring", "stream-ordered"])
+def test_full_iteration_graph_megatron_wrapper_replays_match_eager(graphable_rng, policy: str) -> None:
+    """megatron-core's FullCudaGraphWrapper (patched by install) captures one iteration; replays and eager match."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
+    from bufreuse.config import validate
+    from bufreuse.integrations.graphs import GraphPhases
+    from bufreuse.pool import Phase
+
+    layer = _pad_layer()
+    slots = 2  # ring slots; the stream-ordered policy holds none (the knob only switches expert reuse on)
+    knobs = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers=slots,
+        moe_hybridep_num_expert_output_buffers=slots,
+        moe_bufreuse_dispatch_policy=policy,
+        moe_bufreuse_expert_policy=policy,
+    )
+    validate(layer.config, knobs, seq_length=SEQ, micro_batch_size=MBS)
+    warmup, iters = 2, 6
+    data = _iteration_data(iters + 1, seed=11)
+    ref = [_eager(layer, d) for d in data]  # control: eager, no hooks
+    tol = _max_diff(ref[0], _eager(layer, data[0]))
+    orig_call = FullCudaGraphWrapper.__dict__["__call__"]
+    StaticBufferLoader.static_buffers["training"].clear()
+    pool = BufferPool("cuda")
+    wrapper = FullCudaGraphWrapper(_fwd_bwd, cuda_graph_warmup_steps=warmup)
+    wrapper.reset_cuda_graph()
+    got, phases = [], []
+    try:
+        with install(layer, pool, knobs, tokens=TOKENS) as inst, pool.autograd_guard():
+            for d in data[:iters]:
+                res = wrapper(model=layer, data_iterator=iter(d), num_microbatches=GRAPH_MICROBATCHES,
+                              seq_length=SEQ, forward_only=False)  # fmt: skip
+                got.append(_flat(res))
+                phases.append(pool.phase.value)
+            GraphPhases(inst).before_eager()  # eager again after the replays
+            phases.append(pool.phase.value)
+            got.append(_eager(layer, data[iters]))
+        torch.cuda.synchronize()
+    finally:
+        wrapper.reset_cuda_graph()
+        StaticBufferLoader.static_buffers["training"].clear()
+    diffs = [_max_diff(r, g) for r, g in zip(ref, got, strict=True)]
+    stats = {k: dataclasses.asdict(v) for k, v in pool.stats().items()}
+    SUMMARY[f"full_iteration_graph_{policy}"] = {
+        "control_run_to_run": tol, "max_diff_per_iteration": diffs, "phases": phases, "stats": stats,
+        "captured_at_iteration": warmup, "replays": iters - warmup,
+    }  # fmt: skip
+    assert FullCudaGraphWrapper.__dict__["__call__"] is orig_call  # uninstall restored megatron's method
+    assert phases == ["eager"] * warmup + ["graphed"] * (iters - warmup) + ["eager"], phases
+    assert pool.phase is Phase.EAGER
+    assert all(d <= tol for d in diffs), (diffs, tol)
+    # acquisitions happen in eager iterations and once in the capture; replays reuse the baked slots
+    calls = (warmup + 1 + 1) * GRAPH_MICROBATCHES
+    for name, s in pool.stats().items():
+        assert s.acquisitions == s.releases == calls, (name, s)
+        if policy == "ring":
+            assert s.peak_held <= slots and s.persistent_bytes > 0
+
+
+def test_full_iteration_graph_own_capture_loop_with_eager_between_replays(graphable_rng) -> None:
+    """A user's own torch.cuda.graph loop with capture_iteration / GraphPhases: eager use between replays."""
+    from bufreuse.integrations.graphs import GraphPhases, capture_iteration
+
+    layer = _pad_layer()
+    data = _iteration_data(8, seed=23)
+    ref = [_eager(layer, d) for d in data]
+    tol = _max_diff(ref[0], _eager(layer, data[0]))
+    pool = BufferPool("cuda")
+    static = [{k: v.clone() for k, v in mb.items()} for mb in data[0]]
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    got: dict[int, list] = {}
+
+    def load(i: int) -> None:
+        for dst, src in zip(static, data[i], strict=True):
+            for k in dst:
+                dst[k].copy_(src[k])
+
+    with install(layer, pool, _knobs(2), tokens=TOKENS) as inst, pool.autograd_guard():
+        phases = GraphPhases(inst)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for i in (0, 1):  # eager warm-up on the capture stream
+                got[i] = _eager(layer, data[i])
+        torch.cuda.current_stream().wait_stream(stream)
+        load(2)
+        with capture_iteration(inst, stream), torch.cuda.graph(graph, stream=stream):
+            out = _fwd_bwd(model=layer, data_iterator=iter(static), num_microbatches=GRAPH_MICROBATCHES,
+                           seq_length=SEQ, forward_only=False)  # fmt: skip
+        for i in (2, 3, 4):
+            load(i)
+            phases.replay(graph)
+            got[i] = _flat(out)
+        phases.before_eager()
+        got[5] = _eager(layer, data[5])  # eager between replays
+        for i in (6, 7):
+            load(i)
+            phases.replay(graph)  # ordered after the eager iteration's releases
+            got[i] = _flat(out)
+        torch.cuda.synchronize()
+    diffs = {i: _max_diff(ref[i], got[i]) for i in sorted(got)}
+    SUMMARY["own_capture_loop"] = {"control_run_to_run": tol, "max_diff_per_iteration": diffs, "gpu_waits": {
+        k: v.gpu_waits for k, v in pool.stats().items()}}  # fmt: skip
+    assert all(d <= tol for d in diffs.values()), (diffs, tol)

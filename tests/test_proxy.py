@@ -6,14 +6,15 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from bufreuse.bench.measure import step_stats
+from bufreuse.bench.measure import step_stats, time_steps
 from bufreuse.bench.proxy import ProxyConfig, build_pool
-from bufreuse.bench.schedule import MoEProxy
+from bufreuse.bench.schedule import MoEProxy, ProxyStreams
 from bufreuse.errors import InputError
 from bufreuse.launch.sweep import DEFAULT_PARAMS
 from bufreuse.pool import EarlyReuseError, Policy
@@ -48,6 +49,7 @@ def test_config_defaults_match_design_and_sweep() -> None:
         ({"tokens": 60}, "config.tokens"),
         ({"comm_ms": 1.0}, "config.device"),
         ({"dtype": "int8"}, "config.dtype"),
+        ({"warmup_s": -1.0}, "config.warmup_s"),
     ],
 )
 def test_config_invalid_names_field(over: dict[str, object], field: str) -> None:
@@ -106,6 +108,22 @@ def test_ring_one_dispatch_slot_raises_early_reuse() -> None:
         p.step()
 
 
+def test_time_steps_min_total_ms_runs_past_the_step_count() -> None:
+    values = time_steps(lambda: time.sleep(0.002), 2, stream=None, min_total_ms=15.0)
+    assert len(values) > 2 and sum(values) >= 15.0 and sum(values[:-1]) < 15.0
+    assert len(time_steps(lambda: None, 2, stream=None, min_total_ms=1e9, max_steps=5)) == 5
+    assert len(time_steps(lambda: None, 3, stream=None)) == 3
+
+
+def test_proxy_runs_on_the_streams_it_is_given() -> None:
+    shared = MoEProxy.new_streams(torch.device("cpu"))
+    assert shared == ProxyStreams(comm=None, compute=None)
+    cfg = ProxyConfig.from_config(TINY)
+    a = MoEProxy(cfg, build_pool(cfg, torch.device("cpu")), torch.device("cpu"), streams=shared)
+    b = MoEProxy(cfg, build_pool(cfg, torch.device("cpu")), torch.device("cpu"), streams=shared)
+    assert a.streams is shared and b.streams is shared
+
+
 def test_step_stats_percentiles() -> None:
     s = step_stats([float(v) for v in range(1, 12)])
     assert (s["median"], s["min"], s["max"], s["p10"], s["p90"]) == (6.0, 1.0, 11.0, 2.0, 10.0)
@@ -137,6 +155,7 @@ def test_runner_proxy_cpu_writes_metrics_and_log(tmp_path: Path) -> None:
     assert m["env"]["torch"] == torch.__version__ and m["started_at"] <= m["finished_at"]
     assert len(m["checksum"]) == 16
     assert "step 2/2" in (tmp_path / "slots2" / "log.txt").read_text()
+    assert len(m["warmup_step_ms"]) == 1  # CPU: warmup_s does not apply, warmup_steps only
     assert not list((tmp_path / "slots2").glob(".*.tmp"))
 
 

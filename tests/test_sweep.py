@@ -43,11 +43,22 @@ def test_build_configs_ids_modes_and_graph_suffix() -> None:
         ({"buffers": ["attention"]}, "--buffers"),
         ({"params": {"hidden": 0}}, "--hidden"),
         ({"params": {"bogus": 1}}, "unknown sweep parameter"),
+        ({"params": {"dtype": "int7"}}, "--dtype int7"),
+        ({"params": {"warmup_steps": -1}}, "--warmup-steps"),
+        ({"name": "../escape"}, "--name '../escape'"),
+        ({"name": "a/b"}, "--name"),
     ],
 )
 def test_spec_invalid_names_option(over: dict[str, object], match: str) -> None:
     with pytest.raises(InputError, match=match):
         SweepSpec(**over).validate()  # type: ignore[arg-type]
+
+
+def test_cli_sweep_name_outside_root_refused(tmp_path: Path) -> None:
+    args = ["sweep", "--workload", "cpu-smoke", "--root", str(tmp_path / "r"), "--name", "../escape"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "--name" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "r").exists()
 
 
 def test_parse_int_list_rejects_words() -> None:

@@ -20,9 +20,16 @@ from rich.text import Text
 from bufreuse.analysis.compare import ComparisonResult, MetricDelta, RunComparison
 from bufreuse.fsutil import atomic_write_json, atomic_write_text
 
-__all__ = ["comparison_json", "comparison_renderable", "comparison_text", "write_comparison"]
+__all__ = [
+    "comparison_json",
+    "comparison_renderable",
+    "comparison_text",
+    "csv_text",
+    "renderable_text",
+    "write_comparison",
+]
 
-_STYLE = {"improvement": "green", "parity": "cyan", "regression": "bold red", "n/a": "dim"}
+_STYLE = {"improvement": "green", "parity": "cyan", "regression": "bold red", "explained": "yellow", "n/a": "dim"}
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -37,7 +44,10 @@ def _delta_cell(m: MetricDelta) -> Text:
     pct = f" ({m.delta_pct:+.2f}%)" if m.delta_pct is not None else ""
     sign = f"{m.delta:+,.0f}" if m.unit == "MiB" else f"{m.delta:+,.2f}"
     text = Text(f"{sign}{pct} ")
-    text.append(m.verdict, style=_STYLE.get(m.verdict, ""))
+    if m.explained_by:
+        text.append(f"{m.verdict}, explained by {m.explained_by}", style=_STYLE["explained"])
+    else:
+        text.append(m.verdict, style=_STYLE.get(m.verdict, ""))
     if m.ci_low is not None and m.ci_high is not None:
         text.append(f"\nCI95 [{m.ci_low:+.2f}, {m.ci_high:+.2f}]", style="dim")
     return text
@@ -86,7 +96,8 @@ def _overview_table(result: ComparisonResult) -> Table:
             if m is None or m.delta_pct is None:
                 cells.append(Text(m.verdict if m else "—", style="dim"))
             else:
-                cells.append(Text(f"{m.delta_pct:+.1f}% {_SHORT[m.verdict]}", style=_STYLE[m.verdict]))
+                short, style = (_SHORT[m.verdict], _STYLE[m.verdict]) if not m.explained_by else ("rings", "yellow")
+                cells.append(Text(f"{m.delta_pct:+.1f}% {short}", style=style))
         table.add_row(*cells)
     return table
 
@@ -141,13 +152,18 @@ def comparison_renderable(result: ComparisonResult) -> Group:
 
 def comparison_text(result: ComparisonResult, *, width: int = 160) -> str:
     """The rendered table as plain text (no colour), e.g. for a report file."""
+    return renderable_text(comparison_renderable(result), width=width)
+
+
+def renderable_text(renderable: Any, *, width: int = 160) -> str:
+    """Any rich renderable (table, group) as plain text without colour, for a ``.txt`` file."""
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None, highlight=False)
-    console.print(comparison_renderable(result))
+    console.print(renderable)
     return console.export_text()
 
 
-def _csv_text(result: ComparisonResult) -> str:
-    rows = result.to_rows()
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    """Rows of one shape as CSV text (header from the first row's keys); empty for no rows."""
     buf = io.StringIO()
     if rows:
         writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
@@ -166,7 +182,7 @@ def write_comparison(
     """Write whichever of the CSV, JSON and text forms are asked for, atomically; returns the paths."""
     written = []
     if csv_path is not None:
-        written.append(atomic_write_text(csv_path, _csv_text(result)))
+        written.append(atomic_write_text(csv_path, csv_text(result.to_rows())))
     if json_path is not None:
         written.append(atomic_write_json(json_path, result.to_dict()))
     if text_path is not None:

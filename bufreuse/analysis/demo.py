@@ -18,20 +18,17 @@ plots (~0.1 s each). Imports no torch.
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from bufreuse.analysis.compare import ComparisonResult, compare_specs
 from bufreuse.analysis.compare_plot import write_comparison_plots
-from bufreuse.analysis.compare_table import write_comparison
+from bufreuse.analysis.compare_table import csv_text, renderable_text, write_comparison
 from bufreuse.analysis.runs import MIB
 from bufreuse.errors import InputError
 from bufreuse.fsutil import atomic_write_json, atomic_write_text
@@ -144,7 +141,7 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
         if res.timeline is not None:
             png = out / "snapshots" / (name.replace("/", "__").split(".")[0] + ".png")
             files.append(write_timeline_png(res.timeline, png, title=name))
-    text = _render(_snapshot_table(reports)) + "".join(_render(r) for r in renderables)
+    text = renderable_text(_snapshot_table(reports)) + "".join(renderable_text(r) for r in renderables)
     files.insert(0, atomic_write_json(out / "snapshots.json", reports))
     files.insert(1, atomic_write_text(out / "snapshots.txt", text))
     return reports, files
@@ -175,9 +172,9 @@ def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str])
     rows = load_sweep_rows(sweep.folder)
     dicts = [r.to_dict() for r in rows]
     files = [
-        atomic_write_text(folder / "sweep-table.txt", _render(sweep_table(rows, title=f"sweep {name}"))),
+        atomic_write_text(folder / "sweep-table.txt", renderable_text(sweep_table(rows, title=f"sweep {name}"))),
         atomic_write_json(folder / "sweep-table.json", dicts),
-        atomic_write_text(folder / "sweep-table.csv", _csv(dicts)),
+        atomic_write_text(folder / "sweep-table.csv", csv_text(dicts)),
         *write_sweep_plots(folder, rows),
     ]
     ok = [r for r in rows if r.status == "ok"]
@@ -232,21 +229,6 @@ def _compare_in(sweep: SweepDir) -> ComparisonResult:
     if not finished:
         raise InputError(f"{sweep.folder}: no finished feature configuration")
     return compare_specs([str(sweep.folder / c) for c in [control, *finished]])
-
-
-def _render(table: Any) -> str:
-    console = Console(file=io.StringIO(), width=160, record=True, color_system=None)
-    console.print(table)
-    return console.export_text()
-
-
-def _csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-    return buf.getvalue()
 
 
 def _mib(v: Any) -> str:

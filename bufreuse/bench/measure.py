@@ -50,14 +50,25 @@ def step_stats(values: list[float]) -> dict[str, Any]:
 
 
 def time_steps(
-    run: Callable[[], None], steps: int, *, stream: torch.cuda.Stream | None, label: str = "step"
+    run: Callable[[], None],
+    steps: int,
+    *,
+    stream: torch.cuda.Stream | None,
+    label: str = "step",
+    min_total_ms: float = 0.0,
+    max_steps: int = 1000,
 ) -> list[float]:
     """Run ``run`` ``steps`` times; milliseconds each from CUDA events on ``stream`` (wall clock on CPU).
 
     Synchronises after each step, so steps do not overlap and the CPU cannot run a step ahead.
+    ``min_total_ms`` keeps running steps (up to ``max_steps``) until the steps add up to that much
+    time: a warm-up measured in time rather than steps, so the GPU's clocks have settled under
+    sustained load before the timed steps start.
     """
     values: list[float] = []
-    for k in range(steps):
+    k = 0
+    while k < steps or (sum(values) < min_total_ms and k < max(steps, max_steps)):
+        k += 1
         if stream is None:
             t0 = time.perf_counter()
             run()
@@ -70,7 +81,7 @@ def time_steps(
             end.record(stream)
             end.synchronize()
             values.append(start.elapsed_time(end))
-        log.info("%s %d/%d: %.3f ms", label, k + 1, steps, values[-1])
+        log.info("%s %d/%d: %.3f ms", label, k, steps, values[-1])
     return values
 
 

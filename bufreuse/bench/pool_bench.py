@@ -57,10 +57,8 @@ class PoolBenchConfig:
 
 def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) -> dict[str, Any]:
     """Time every variant; return rows (µs per pair, ratio to the allocator path) and the environment."""
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _resolve_device(cfg.device)
     cuda = device.type == "cuda"
-    if cuda and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {cfg.dtype!r} is not a torch dtype")
@@ -125,6 +123,25 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
         "meets_target": pool_ratio <= TARGET_RATIO,
         "env": _env(device),
     }
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    """``cuda``, ``cuda:N`` or ``cpu`` (default: CUDA when available); ValueError names the choices."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r}: {e}; use cuda, cuda:N or cpu") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {name!r}: use cuda, cuda:N or cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r}: no CUDA device is visible here (use --device cpu)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= count:
+            raise ValueError(f"device {name!r}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+    return device
 
 
 def _baseline_loop(shape, dtype, device, consumer) -> Callable[[int], None]:

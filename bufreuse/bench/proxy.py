@@ -66,6 +66,11 @@ class ProxyConfig:
     """Timed steps (or graph replays)."""
     warmup_steps: int = 3
     """Untimed eager steps first (also the CUDA-graph warm-up)."""
+    warmup_s: float = 2.0
+    """Least seconds of eager warm-up on a GPU: steps continue past ``warmup_steps`` until this much
+    GPU time has run. An H200 dips ~10% for ~0.2 s about 0.9 s into sustained load (clock / power
+    management, examples/sweep-h200 steps 16-19); 3 warm-up steps (0.15 s) put that dip inside the
+    timed steps. Costs up to this many seconds per configuration; ignored on CPU."""
     record_steps: int = 2
     """Steps of the untimed snapshot-recording pass (0: no snapshot)."""
     comm_ms: float = 0.5
@@ -116,6 +121,8 @@ class ProxyConfig:
             raise bad("tokens", "must be a multiple of topk * local_experts * world_size")
         if self.comm_ms < 0:
             raise bad("comm_ms", "must be >= 0")
+        if not 0 <= self.warmup_s <= 600:
+            raise bad("warmup_s", "must be between 0 and 600 seconds")
         if self.device not in ("cuda", "cpu"):
             raise bad("device", "must be cuda or cpu")
         if self.device == "cpu" and (self.comm_ms > 0 or self.cuda_graph or self.world_size > 1):
@@ -146,23 +153,26 @@ def build_pool(cfg: ProxyConfig, device: torch.device) -> Any:
     return pool
 
 
-def warm_up(proxy: MoEProxy, pool: Any, cfg: ProxyConfig) -> Callable[[], None]:
-    """Run the eager warm-up steps; with ``cuda_graph``, capture one step; return what one step runs.
+def warm_up(proxy: MoEProxy, pool: Any, cfg: ProxyConfig) -> tuple[Callable[[], None], list[float]]:
+    """Run the eager warm-up steps; with ``cuda_graph``, capture one step.
 
-    The capture goes through the pool's phase API (``prepare_capture`` / ``finish_capture``), so
-    ring events recorded eagerly are never waited on inside the capture.
+    Returns what one step runs and the warm-up step times (ms; kept in ``metrics.json`` as
+    ``warmup_step_ms`` so a clock transient shows up there, not in ``step_ms``). The capture goes
+    through the pool's phase API (``prepare_capture`` / ``finish_capture``), so ring events
+    recorded eagerly are never waited on inside the capture.
     """
     compute = proxy.streams.compute
-    measure.time_steps(proxy.step, cfg.warmup_steps, stream=compute, label="warm-up step")
+    min_ms = cfg.warmup_s * 1e3 if cfg.device == "cuda" else 0.0
+    warm = measure.time_steps(proxy.step, cfg.warmup_steps, stream=compute, label="warm-up step", min_total_ms=min_ms)
     if not cfg.cuda_graph:
-        return proxy.step
+        return proxy.step, warm
     graph = torch.cuda.CUDAGraph()
     pool.prepare_capture(compute)
     with torch.cuda.graph(graph, stream=compute):
         proxy.step()
     pool.finish_capture()
     log.info("captured one step as a CUDA graph")
-    return graph.replay
+    return graph.replay, warm
 
 
 def _device(cfg: ProxyConfig) -> torch.device:
@@ -201,7 +211,7 @@ def run_configuration(config: dict[str, Any], paths: ConfigPaths) -> dict[str, A
     if proxy.sleep_cycles:
         log.info("comm emulation: %d sleep cycles = %.3f ms", proxy.sleep_cycles, cfg.comm_ms)
 
-    run = warm_up(proxy, pool, cfg)
+    run, warm = warm_up(proxy, pool, cfg)
     values = measure.time_steps(run, cfg.steps, stream=compute)
     checksum = proxy.checksum()
     metrics: dict[str, Any] = measure.memory_figures(device)
@@ -212,6 +222,7 @@ def run_configuration(config: dict[str, Any], paths: ConfigPaths) -> dict[str, A
         flops_per_step=proxy.flops_per_step(),
         checksum=checksum,
         comm_sleep_cycles=proxy.sleep_cycles,
+        warmup_step_ms=[round(v, 4) for v in warm],
     )
     stats = pool.stats()
     metrics["ring_bytes"] = {n: int(s.persistent_bytes) for n, s in stats.items() if s.persistent_bytes}

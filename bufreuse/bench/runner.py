@@ -30,10 +30,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bufreuse.bench.workloads import WORKLOADS, resolve_workload
+from bufreuse.bench.workloads import resolve_workload
 from bufreuse.errors import BufreuseError
 from bufreuse.fsutil import atomic_write_json, read_json
-from bufreuse.sweepdir import ConfigPaths
+from bufreuse.sweepdir import ConfigPaths, blank_metrics, utc_now
 
 __all__ = ["EXTRA_WORKLOADS_ENV", "collect_env", "main", "run_config_dir"]
 
@@ -51,12 +51,6 @@ class _Heartbeat(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.last = time.monotonic()
-
-
-def _utc_now() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def collect_env(rank: int, world_size: int) -> dict[str, Any]:
@@ -130,28 +124,18 @@ def run_config_dir(folder: str | os.PathLike[str]) -> int:
     root.setLevel(logging.INFO)
     root.addHandler(handler)
     root.addHandler(beat)
-    started = _utc_now()
+    started = utc_now()
     config: dict[str, Any] = {}
     stop = threading.Event()
 
     def finish(status: str, error: str | None, workload_metrics: dict[str, Any] | None = None) -> None:
         if status != "hung":
             stop.set()
-        metrics: dict[str, Any] = {
-            "max_reserved_bytes": None,
-            "max_allocated_bytes": None,
-            "device_used_bytes": None,
-            "step_ms": None,
-            "tflops": None,
-            "pending_free_at_max_active_bytes": None,
-            "pending_free_by_category_at_max_active": None,
-            "ring_bytes": {},
-            "ring_slot_bytes": {},
-            "checksum": None,
-        }
+        env = collect_env(rank, world_size)
+        metrics = blank_metrics(status=status, error=error, config=config, env=env, started_at=started)
+        fixed = {k: metrics[k] for k in ("status", "error", "config", "env", "started_at", "finished_at")}
         metrics.update(workload_metrics or {})
-        metrics.update(status=status, error=error, config=config, env=collect_env(rank, world_size))
-        metrics.update(started_at=started, finished_at=_utc_now())
+        metrics.update(fixed)  # the workload's figures never override the run's own record
         atomic_write_json(_metrics_path(paths, rank, world_size), metrics)
         if world_size > 1:
             _merge_ranks(paths, rank, world_size, metrics)
@@ -165,9 +149,8 @@ def run_config_dir(folder: str | os.PathLike[str]) -> int:
         threading.Thread(
             target=_watchdog, args=(beat, stall_s, stop, lambda e: finish("hung", e), log_file), daemon=True
         ).start()
-        WORKLOADS.update(_extra_workloads())
         log.info("config %s: workload %s (rank %d/%d)", paths.config_id, config.get("workload"), rank, world_size)
-        fn = resolve_workload(str(config.get("workload", "")))
+        fn = resolve_workload(str(config.get("workload", "")), _extra_workloads())
         result = fn(config, paths)
     except BufreuseError as e:
         log.error("%s", e)

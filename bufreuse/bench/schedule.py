@@ -34,6 +34,7 @@ __all__ = [
     "DISPATCH",
     "EXPERT",
     "MoEProxy",
+    "ProxyStreams",
     "attention",
     "calibrate_sleep",
     "combine",
@@ -76,7 +77,11 @@ def calibrate_sleep(stream: torch.cuda.Stream, *, cycles: int = 20_000_000) -> f
 
 
 @dataclass(kw_only=True, slots=True)
-class _Streams:
+class ProxyStreams:
+    """The proxy's two streams. Pass one instance to every :class:`MoEProxy` of a process that
+    measures several configurations: cuBLAS keeps a workspace per stream, so new streams per
+    measurement grow max allocated (+480 MiB over sweep_bench's first repeat)."""
+
     comm: torch.cuda.Stream | None
     """Dispatch and combine run here (None on CPU: everything is in program order)."""
     compute: torch.cuda.Stream | None
@@ -143,7 +148,17 @@ class MoEProxy:
     differs between modes is only how the two pooled buffers are provided and freed.
     """
 
-    def __init__(self, cfg: Any, pool: Any, device: torch.device, *, group: Any = None) -> None:
+    @staticmethod
+    def new_streams(device: torch.device) -> ProxyStreams:
+        """Two fresh streams on a CUDA ``device``; none on CPU (everything in program order)."""
+        cuda = device.type == "cuda"
+        return ProxyStreams(
+            comm=torch.cuda.Stream(device) if cuda else None, compute=torch.cuda.Stream(device) if cuda else None
+        )
+
+    def __init__(
+        self, cfg: Any, pool: Any, device: torch.device, *, group: Any = None, streams: ProxyStreams | None = None
+    ) -> None:
         dtype = cfg.torch_dtype
         self.cfg, self.pool, self.group, self.device = cfg, pool, group, device
         self.microbatches, self.num_experts, self.topk = cfg.microbatches, cfg.local_experts, cfg.topk
@@ -174,9 +189,7 @@ class MoEProxy:
             self.send = torch.empty(self.dispatch_shape, dtype=dtype, device=device)
             self.recv = torch.empty(self.dispatch_shape, dtype=dtype, device=device)
         cuda = device.type == "cuda"
-        self.streams = _Streams(
-            comm=torch.cuda.Stream(device) if cuda else None, compute=torch.cuda.Stream(device) if cuda else None
-        )
+        self.streams = streams if streams is not None else self.new_streams(device)
         self.sleep_cycles = 0
         if cuda and cfg.comm_ms > 0 and group is None:
             self.sleep_cycles = int(cfg.comm_ms * calibrate_sleep(self.streams.comm))

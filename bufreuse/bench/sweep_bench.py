@@ -5,7 +5,9 @@ control / stream-ordered / ring-2 / ring-4 over ``--comm-ms`` values, plus CUDA-
 ``--repeats`` interleaved repeats (each repeat runs every configuration, in a rotated order). Between
 measurements every tensor, the pool and the graph are dropped and the allocator cache emptied,
 with peak statistics reset, so each max-reserved figure is that configuration's alone (the same
-figure a fresh process gives, without paying process start and CUDA init per measurement).
+figure a fresh process gives, without paying process start and CUDA init per measurement). One
+pair of streams serves every measurement: cuBLAS keeps a workspace per stream, which new streams
+per measurement would add to max allocated (+480 MiB over the first repeat).
 
 Ratios pair each configuration with the control of the same repeat and comm time; the interval is
 Student's t over repeats (mean ± t(0.975, n-1)·sd/√n). :func:`summarize` imports no torch.
@@ -83,10 +85,14 @@ def summarize(measurements: list[dict[str, Any]]) -> dict[str, dict[str, float |
 
 
 def measure_config(config: str, *, comm_ms: float, graph: bool, cycles_per_ms: float, steps: int, warmup: int,
-                   shape: dict[str, Any], seed: int = 1234, checksum: bool = True) -> dict[str, Any]:  # fmt: skip
+                   shape: dict[str, Any], seed: int = 1234, checksum: bool = True,
+                   streams: Any = None, warmup_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """One configuration from a clean allocator: median step ms, peak reserved/allocated, checksum.
 
-    The checksum copies the outputs to the host and hashes them (~0.3 s at the pinned shape).
+    ``streams``: the :class:`~bufreuse.bench.schedule.ProxyStreams` to run on, shared by every
+    measurement of the process (None: new ones, and with them new cuBLAS workspaces). ``warmup_s``:
+    least seconds of warm-up (``ProxyConfig.warmup_s``; the first measurement of a cold GPU). The checksum
+    copies the outputs to the host and hashes them (~0.3 s at the pinned shape).
     """
     import torch
 
@@ -99,13 +105,13 @@ def measure_config(config: str, *, comm_ms: float, graph: bool, cycles_per_ms: f
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cfg = ProxyConfig.from_config({**shape, **CONFIGS[config], "comm_ms": 0.0, "cuda_graph": graph, "steps": steps,
-                                   "warmup_steps": warmup, "seed": seed})  # fmt: skip
+                                   "warmup_steps": warmup, "seed": seed, "warmup_s": warmup_s})  # fmt: skip
     dev = torch.device("cuda", torch.cuda.current_device())
     with torch.no_grad():
         pool = build_pool(cfg, dev)
-        proxy = MoEProxy(cfg, pool, dev)
+        proxy = MoEProxy(cfg, pool, dev, streams=streams)
         proxy.sleep_cycles = int(comm_ms * cycles_per_ms)
-        run = warm_up(proxy, pool, cfg)
+        run, _ = warm_up(proxy, pool, cfg)
         values = measure.time_steps(run, steps, stream=proxy.streams.compute)
         stats = measure.step_stats(values)
         out = {
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup-s", type=float, default=2.0, help="least warm-up seconds of the first measurement")
     p.add_argument("--comm-ms", default="0.5,1.5,3", help="comma-separated emulated comm times")
     p.add_argument("--graph-comm-ms", type=float, default=1.5, help="comm time of the CUDA-graph measurements")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting repeats after this many seconds (0: none)")
@@ -132,17 +139,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bufreuse.bench.schedule import calibrate_sleep
+    from bufreuse.bench.schedule import MoEProxy, calibrate_sleep
     from bufreuse.fsutil import atomic_write_json
 
     comms = [float(x) for x in args.comm_ms.split(",")]
-    cycles = calibrate_sleep(torch.cuda.Stream())
+    streams = MoEProxy.new_streams(torch.device("cuda", torch.cuda.current_device()))
+    cycles = calibrate_sleep(streams.comm)
     plan = [(c, cm, False) for cm in comms for c in CONFIGS] + [(c, args.graph_comm_ms, True) for c in GRAPH_CONFIGS]
     t0 = time.monotonic()
     result: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-        "shape": PINNED_SHAPE, "steps": args.steps, "warmup_steps": args.warmup, "sleep_cycles_per_ms": cycles,
+        "shape": PINNED_SHAPE, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s_first": args.warmup_s,
+        "sleep_cycles_per_ms": cycles,
         "method": "one process; allocator emptied and peaks reset between measurements; repeats interleaved, "
                   "order rotated per repeat; ratios paired with the same repeat's control",
         "command": "python -m bufreuse.bench.sweep_bench " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -155,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         k = rep % len(plan)
         for config, comm, graph in plan[k:] + plan[:k]:
             m = measure_config(config, comm_ms=comm, graph=graph, cycles_per_ms=cycles, steps=args.steps,
-                               warmup=args.warmup, shape=PINNED_SHAPE, checksum=rep == 0)  # fmt: skip
+                               warmup=args.warmup, shape=PINNED_SHAPE, checksum=rep == 0, streams=streams,
+                               warmup_s=0.0 if result["measurements"] else args.warmup_s)  # fmt: skip
             m["repeat"] = rep
             result["measurements"].append(m)
             print(f"rep {rep} {config:15s} comm {comm:3.1f} graph {graph!s:5s} step {m['step_ms']:7.2f} ms "

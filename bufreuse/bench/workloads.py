@@ -24,11 +24,16 @@ WORKLOADS: dict[str, str] = {
 }
 
 
-def resolve_workload(name: str) -> WorkloadFn:
-    """Import and return the workload function registered as ``name``."""
+def resolve_workload(name: str, extra: dict[str, str] | None = None) -> WorkloadFn:
+    """Import and return the workload function registered as ``name`` (in ``extra`` or :data:`WORKLOADS`).
+
+    ``extra`` adds ``name -> "module:function"`` entries for this call only (the runner's
+    ``$BUFREUSE_WORKLOADS``); :data:`WORKLOADS` itself is never changed.
+    """
+    table = {**WORKLOADS, **(extra or {})}
     try:
-        target = WORKLOADS[name]
+        target = table[name]
     except KeyError:
-        raise InputError(f"unknown workload {name!r}; choose from {', '.join(sorted(WORKLOADS))}") from None
+        raise InputError(f"unknown workload {name!r}; choose from {', '.join(sorted(table))}") from None
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)

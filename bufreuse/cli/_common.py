@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -14,9 +15,22 @@ from rich.console import Console
 
 from bufreuse.errors import BufreuseError
 
-__all__ = ["CliState", "console", "err_console", "handle_errors", "is_debug", "set_debug"]
+__all__ = [
+    "CliState",
+    "TickFn",
+    "console",
+    "err_console",
+    "handle_errors",
+    "is_debug",
+    "json_option",
+    "progress_bar",
+    "root_option",
+    "set_debug",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
+TickFn = Callable[[int, int], None]
+"""``tick(done, total)``: what :func:`progress_bar` yields."""
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -77,3 +91,42 @@ def handle_errors(fn: F) -> F:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def json_option(what: str = "the result") -> Any:
+    """The ``--json`` flag every command has: print ``what`` as JSON for scripts instead of a table."""
+    return typer.Option("--json", help=f"Print {what} as JSON instead of a table.")
+
+
+def root_option(purpose: str = "Folder of sweeps") -> Any:
+    """The ``--root`` option: where sweeps live (``bufreuse.sweepdir.sweeps_root`` resolves None)."""
+    return typer.Option(help=f"{purpose} (default $BUFREUSE_SWEEPS or ./bufreuse-sweeps).")
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, *, unit: str = "items", refresh_thread: bool = True) -> Iterator[TickFn]:
+    """Show a transient rich progress bar on stderr while the block runs; yield ``tick(done, total)``.
+
+    ``unit`` is ``"items"`` (shows 3/10) or ``"bytes"`` (shows 1.2/4.0 GB). Off a terminal nothing
+    is drawn and ``tick`` costs one call. ``refresh_thread=False`` redraws only on ``tick`` (no
+    thread: required when the block forks worker processes, since fork with threads can deadlock).
+    """
+    if not err_console.is_terminal:
+        yield lambda done, total: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    bar = Progress(
+        TextColumn(label), BarColumn(), count, TimeElapsedColumn(),
+        console=err_console, transient=True, auto_refresh=refresh_thread,
+    )  # fmt: skip
+    task = bar.add_task(label, total=None)
+
+    def tick(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+        if not refresh_thread:
+            bar.refresh()
+
+    with bar:
+        yield tick

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.cli._common import console, handle_errors, json_option, progress_bar
 from bufreuse.errors import InputError
 
 __all__ = ["bench_app", "register"]
@@ -48,7 +48,7 @@ def pool(
             help="Also probe eager<->CUDA-graph event waits (plain vs external=True), each in a subprocess.",
         ),
     ] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
+    json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
 ) -> None:
     """CPU cost of acquire+release (ring, pool policies) vs torch.empty + record_stream + free, same shape."""
@@ -61,14 +61,14 @@ def pool(
     if probe_external_events and (device or "cuda").startswith("cpu"):
         raise InputError("--probe-external-events needs a CUDA device")
     try:
-        with _progress("timing pairs") as tick:
+        with progress_bar("timing pairs") as tick:
             result = run_pool_bench(cfg, progress=tick)
     except ValueError as e:
         raise InputError(str(e)) from None
     if probe_external_events:
         if result["cpu_tensors"]:
             raise InputError("--probe-external-events needs a CUDA device")
-        with _progress("probing events") as tick:
+        with progress_bar("probing events") as tick:
             result["external_events"] = probe(progress=tick)
     if output is not None:
         from bufreuse.fsutil import atomic_write_json
@@ -78,29 +78,6 @@ def pool(
         typer.echo(json.dumps(result, indent=2))
     else:
         _render(result)
-
-
-class _progress:
-    """A transient rich progress bar on stderr; yields ``tick(done, total)``."""
-
-    def __init__(self, label: str) -> None:
-        from rich.progress import Progress
-
-        self._bar = Progress(console=err_console, transient=True)
-        self._label = label
-        self._task: Any = None
-
-    def __enter__(self):
-        self._bar.start()
-        self._task = self._bar.add_task(self._label, total=None)
-
-        def tick(done: int, total: int) -> None:
-            self._bar.update(self._task, completed=done, total=total)
-
-        return tick
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.stop()
 
 
 def _render(result: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option
 
 __all__ = ["register"]
 
@@ -21,9 +21,7 @@ def compare(
             "stream-ordered), sweep or configuration folders, Megatron run folders or log files, snapshot files."
         ),
     ],
-    root: Annotated[
-        str | None, typer.Option(help="Sweeps root for labels (default $BUFREUSE_SWEEPS or ./bufreuse-sweeps).")
-    ] = None,
+    root: Annotated[str | None, root_option("Sweeps root for labels")] = None,
     warmup: Annotated[int, typer.Option(min=0, help="Logged iterations to skip at the start of a Megatron log.")] = 3,
     throughput_band: Annotated[
         float, typer.Option(min=0, help="Parity band for throughput and step time, percent of baseline.")
@@ -39,13 +37,17 @@ def compare(
     slot_mib: Annotated[
         list[str] | None, typer.Option(help="Slot size BUF=MIB, or MIB for every ring buffer; repeatable.")
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON instead of a table.")] = False,
+    json_out: Annotated[bool, json_option("the comparison")] = False,
     csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write one CSV row per run and metric.")] = None,
     plot: Annotated[
         Path | None, typer.Option(help="Write memory, throughput and per-iteration PNG plots into this folder.")
     ] = None,
     fail_on_regression: Annotated[
-        bool, typer.Option(help="Exit 1 when any metric regresses beyond its band (for CI gating).")
+        bool,
+        typer.Option(
+            help="Exit 1 when any metric regresses beyond its band (for CI gating); allocated growth "
+            "covered by the runs' ring storage does not count."
+        ),
     ] = False,
 ) -> None:
     """Compare runs against the first one: deltas, noise bands, verdicts, ring-storage explanation."""
@@ -69,8 +71,8 @@ def compare(
         console.print(comparison_renderable(result))
         for path in written:
             console.print(f"wrote {path}")
-    if fail_on_regression and result.regressions:
-        shown = ", ".join(f"{run}:{metric}" for run, metric in result.regressions)
+    if fail_on_regression and result.failing:
+        shown = ", ".join(f"{run}:{metric}" for run, metric in result.failing)
         raise CheckFailedError(f"regression beyond the noise band: {shown}")
 
 

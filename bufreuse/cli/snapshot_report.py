@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors, is_debug
+from bufreuse.cli._common import TickFn, console, err_console, handle_errors, is_debug, json_option, progress_bar
 
 __all__ = ["register"]
 
@@ -21,7 +23,7 @@ def snapshot_report(
         list[Path],
         typer.Argument(help="Allocator snapshots (torch.cuda.memory._dump_snapshot pickles, plain or gzip)."),
     ],
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per file, one per line.")] = False,
+    json_out: Annotated[bool, json_option("each file's report (one object per line)")] = False,
     plot: Annotated[
         Path | None,
         typer.Option(help="Write a PNG timeline (reserved, active, pending-free band); several files: PATH-<i>.png."),
@@ -61,7 +63,7 @@ def snapshot_report(
         raise InputError(str(e)) from None
 
     paths = [str(f) for f in files]
-    with _progress(len(paths)) as (on_bytes, on_done):
+    with _file_progress(len(paths)) as (on_bytes, on_done):
         results = report_files(
             paths, config, progress=on_bytes, on_file_done=on_done, workers=workers, raise_errors=_debug(ctx)
         )
@@ -87,7 +89,7 @@ def snapshot_report(
             err_console.print(f"wrote {out}")
         elif plot is not None:
             err_console.print(f"[yellow]no plot for {res.file}: the snapshot has no trace[/]")
-    if len(results) > 1 and not json_out:
+    if len(results) - failed > 1 and not json_out:  # a summary over one (or no) readable file says nothing
         from bufreuse.analysis.snapshot_table import combined_table
 
         console.print(combined_table(combine(results)))
@@ -100,41 +102,23 @@ def _debug(ctx: typer.Context) -> bool:
     return is_debug() or bool(getattr(ctx.find_root().obj, "debug", False))
 
 
-class _progress:
-    """A rich progress bar on stderr (bytes for one file, files for several); silent off a terminal."""
-
-    def __init__(self, n_files: int) -> None:
-        self.n_files = n_files
-        self.bar = None
-
-    def __enter__(self):  # type: ignore[no-untyped-def]
-        if not err_console.is_terminal:
-            return None, None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
-        if self.n_files == 1:
-            cols = (TextColumn("loading"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-        else:
-            cols = (TextColumn("snapshots"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
-        # several files fork worker processes: no refresh thread then (fork with threads can deadlock)
-        self.bar = Progress(*cols, console=err_console, transient=True, auto_refresh=self.n_files == 1)
-        self.bar.start()
-        task = self.bar.add_task("load", total=None if self.n_files == 1 else self.n_files)
-        bar = self.bar
-
-        def on_bytes(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+@contextlib.contextmanager
+def _file_progress(n_files: int) -> Iterator[tuple[TickFn, Callable[[object], None]]]:
+    """Bytes loaded for one file, files done for several (no refresh thread then: workers fork)."""
+    if n_files == 1:
+        with progress_bar("loading", unit="bytes") as tick:
+            yield tick, lambda _res: None
+        return
+    done = 0
+    with progress_bar("snapshots", refresh_thread=False) as tick:
 
         def on_done(_res: object) -> None:
-            if self.n_files > 1:
-                bar.advance(task)
-                bar.refresh()
+            nonlocal done
+            done += 1
+            tick(done, n_files)
 
-        return on_bytes, on_done
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        tick(0, n_files)
+        yield (lambda _done, _total: None), on_done
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option
 from bufreuse.errors import CheckFailedError, InputError, JobFailedError
 
 __all__ = ["register"]
@@ -35,16 +35,12 @@ def register(app: typer.Typer) -> None:
         ] = None,
         cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the step and time replays.")] = False,
         name: Annotated[str | None, typer.Option(help="Sweep name (default: a hash of the parameters).")] = None,
-        root: Annotated[
-            str | None, typer.Option(help="Folder of sweeps (default $BUFREUSE_SWEEPS or ./bufreuse-sweeps).")
-        ] = None,
+        root: Annotated[str | None, root_option()] = None,
         force: Annotated[bool, typer.Option("--force", help="Rerun configurations that already finished.")] = False,
         timeout: Annotated[
             float, typer.Option(help="Seconds per configuration before it is killed (timeout).")
         ] = 600.0,
-        json_out: Annotated[
-            bool, typer.Option("--json", help="Print the result rows as JSON instead of a table.")
-        ] = False,
+        json_out: Annotated[bool, json_option("the result rows")] = False,
         launcher: Annotated[
             str, typer.Option(help="Where configurations run: local (this machine) or slurm.")
         ] = "local",
@@ -171,6 +167,7 @@ def register(app: typer.Typer) -> None:
             root=root,
             force=force,
         )
+        spec.validate()  # bad options: one error line before any progress bar is drawn
         # Launcher-specific options (the SLURM launcher adds its own here).
         launcher_options: dict[str, Any] = {}
         runner: Any = launcher

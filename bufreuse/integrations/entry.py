@@ -2,14 +2,20 @@
 
 Upstream rejects unknown arguments, so this wrapper runs the user's Megatron-LM ``pretrain_gpt.py``
 (not shipped in megatron-core's wheel; located with ``--megatron-lm PATH`` or ``MEGATRON_LM_PATH``)
-with ``megatron.training.pretrain`` wrapped for this process only:
+with Megatron-LM's training entry points wrapped for this process only. Two upstream contracts,
+chosen by feature (``pretrain``'s signature), never by version:
 
-1. our five arguments are chained onto the script's ``extra_args_provider``;
-2. the ``model_provider`` result is validated (:func:`bufreuse.config.validate` against the model's
-   ``TransformerConfig``, seq length and micro-batch size from the args) and hooked
-   (:func:`bufreuse.integrations.megatron.install`, one shared :class:`BufferPool`);
-3. everything is restored when pretraining returns. A config that cannot be enabled stops the run
-   before training with one error listing every unmet requirement (exit 2).
+- classic ``pretrain(..., model_provider, ..., extra_args_provider=...)``: our five arguments are
+  chained onto the script's ``extra_args_provider`` and the ``model_provider`` result is hooked;
+- config container (``pretrain(cfg_container, ...)``, Megatron-LM core_r0.19 and later, whose
+  ``pretrain_gpt.py`` parses with ``parse_and_validate_args(extra_args_provider=...)`` first):
+  ``megatron.training.arguments.parse_args`` chains our arguments and
+  ``megatron.training.training.setup_model_and_optimizer`` hooks the model chunks it returns.
+
+Either way the model is validated (:func:`bufreuse.config.validate` against its ``TransformerConfig``,
+seq length and micro-batch size from the args) and hooked (:func:`bufreuse.integrations.megatron.install`,
+one shared :class:`BufferPool`); everything is restored when the script returns. A config that cannot
+be enabled stops the run before training with one error listing every unmet requirement (exit 2).
 """
 
 from __future__ import annotations
@@ -73,6 +79,17 @@ class Session:
 
         return wrapped
 
+    def wrap_setup(self, setup: Any) -> Any:
+        """``setup_model_and_optimizer`` that hooks the model chunks it returns (config-container contract)."""
+
+        @functools.wraps(setup)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = setup(*args, **kwargs)
+            self.install(result[0])
+            return result
+
+        return wrapped
+
     def install(self, model: Any) -> None:
         """Validate the knobs against ``model``'s config and hook its MoE layers."""
         from megatron.training import get_args
@@ -80,6 +97,7 @@ class Session:
         args = get_args()
         knobs = BufReuseConfig.from_args(args)
         if not knobs.enabled():
+            print("bufreuse-megatron: knobs off, no hooks installed", flush=True)
             return
         cfg = _transformer_config(model)
         validate(cfg, knobs, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
@@ -89,7 +107,10 @@ class Session:
         if self.pool is None:
             self.pool = BufferPool()
         tokens = tokens_per_microbatch(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
-        self.installations.append(install(model, self.pool, knobs, tokens=tokens))
+        inst = install(model, self.pool, knobs, tokens=tokens)
+        self.installations.append(inst)
+        rings = ", ".join(f"{k}={v}" for k, v in self.pool.ring_bytes().items())
+        print(f"bufreuse-megatron: hooked {inst.layers} MoE layer(s); persistent bytes {rings}", flush=True)
 
     def close(self) -> None:
         while self.installations:
@@ -97,12 +118,14 @@ class Session:
 
 
 def _transformer_config(model: Any) -> Any:
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
+    chunks = model if isinstance(model, list | tuple) else [model]
+    cfg = getattr(chunks[0], "config", None) if chunks else None
+    if cfg is not None and hasattr(cfg, "num_moe_experts"):
         return cfg
-    for m in model.modules():
-        if getattr(m, "config", None) is not None and hasattr(m.config, "num_moe_experts"):
-            return m.config
+    for chunk in chunks:
+        for m in chunk.modules():
+            if getattr(m, "config", None) is not None and hasattr(m.config, "num_moe_experts"):
+                return m.config
     raise ConfigError("bufreuse: the model has no TransformerConfig (model.config) to validate against")
 
 
@@ -123,6 +146,29 @@ def _wrap_pretrain(orig: Any, session: Session) -> Any:
         return orig(*bound.args, **bound.kwargs)
 
     return pretrain
+
+
+def _chain_parse_args(orig: Any, session: Session) -> Any:
+    @functools.wraps(orig)
+    def parse_args(extra_args_provider: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return orig(session.chain_args(extra_args_provider), *args, **kwargs)
+
+    return parse_args
+
+
+def _patch_container_contract(session: Session) -> list[Any]:
+    """Patch the config-container entry points; returns the undo callables."""
+    import megatron.training.arguments as ma
+    import megatron.training.training as mtt
+
+    undo = []
+    for mod, name, make in ((ma, "parse_args", _chain_parse_args), (mtt, "setup_model_and_optimizer", None)):
+        orig = getattr(mod, name, None)
+        if orig is None:
+            raise ConfigError(f"this Megatron-LM has no megatron.training.{mod.__name__.rsplit('.', 1)[1]}.{name}")
+        setattr(mod, name, make(orig, session) if make is not None else session.wrap_setup(orig))
+        undo.append(lambda mod=mod, name=name, orig=orig: setattr(mod, name, orig))
+    return undo
 
 
 def _split_own(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -150,14 +196,21 @@ def run(argv: list[str]) -> None:
 
     session = Session()
     orig = mt.pretrain
-    mt.pretrain = _wrap_pretrain(orig, session)
+    params = inspect.signature(orig).parameters
+    undo: list[Any] = []
+    if "extra_args_provider" in params or "cfg_container" not in params:
+        mt.pretrain = _wrap_pretrain(orig, session)  # classic contract (refuses a pretrain without the hook)
+        undo.append(lambda: setattr(mt, "pretrain", orig))
+    else:
+        undo += _patch_container_contract(session)
     old_argv = sys.argv
     sys.argv = [str(script), *rest]
     try:
         runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv = old_argv
-        mt.pretrain = orig
+        while undo:
+            undo.pop()()
         session.close()
 
 

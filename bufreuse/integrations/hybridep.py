@@ -9,6 +9,7 @@ Only fakes exercise it here: no DeepEP with HybridEP installs from PyPI (see doc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,48 @@ from bufreuse.integrations.alltoall import acquire_with_hint
 from bufreuse.integrations.features import deepep_output_token
 from bufreuse.pool import BufferPool
 
-__all__ = ["dispatch_into_pool", "dispatch_with_output_token"]
+__all__ = ["OutputTokenInjector", "dispatch_into_pool", "dispatch_with_output_token", "require_output_token"]
+
+
+def require_output_token(buffer_cls: Any) -> None:
+    """Raise :class:`ConfigError` naming the missing API unless ``buffer_cls`` takes ``output_token``.
+
+    ``buffer_cls`` is the class megatron-core would construct (``fused_a2a.HybridEPBuffer``); None
+    means DeepEP with HybridEP did not import there.
+    """
+    if buffer_cls is None:
+        raise ConfigError(
+            "dispatch-output reuse on HybridEP needs DeepEP HybridEPBuffer.dispatch_with_permute(output_token=): "
+            "DeepEP with HybridEP is not importable by megatron-core (fused_a2a.HAVE_HYBRIDEP is False)"
+        )
+    ok, detail = deepep_output_token(buffer_cls)
+    if not ok:
+        raise ConfigError(f"dispatch-output reuse on HybridEP needs DeepEP output_token: {detail}")
+
+
+class OutputTokenInjector:
+    """Stands in for megatron-core's process-wide ``HybridEPBuffer`` while hooks are installed.
+
+    Every attribute is the wrapped buffer's, except ``dispatch_with_permute``: a forward dispatch
+    (no ``handle``) takes the slot that ``take()`` hands out, if any, and goes through
+    :func:`dispatch_with_output_token`; backward dispatches (with a ``handle``) and un-armed calls
+    pass through untouched. Costs one signature check per armed dispatch.
+    """
+
+    __slots__ = ("inner", "take")
+
+    def __init__(self, inner: Any, take: Callable[[], torch.Tensor | None]) -> None:
+        self.inner = inner
+        self.take = take
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def dispatch_with_permute(self, **kwargs: Any) -> tuple[Any, ...]:
+        slot = self.take() if kwargs.get("handle") is None else None
+        if slot is None:
+            return self.inner.dispatch_with_permute(**kwargs)
+        return dispatch_with_output_token(self.inner, slot, **kwargs)
 
 
 def dispatch_with_output_token(buffer: Any, output_token: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
@@ -27,9 +69,7 @@ def dispatch_with_output_token(buffer: Any, output_token: torch.Tensor, **kwargs
     Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
     never by version) and ``RuntimeError`` when the backend returned other storage than it was given.
     """
-    ok, detail = deepep_output_token(type(buffer))
-    if not ok:
-        raise ConfigError(f"dispatch-output reuse on HybridEP needs DeepEP output_token: {detail}")
+    require_output_token(type(buffer))
     result = buffer.dispatch_with_permute(output_token=output_token, **kwargs)
     dispatched = result[0]
     if dispatched.data_ptr() != output_token.data_ptr():

@@ -16,8 +16,10 @@ and overrides, per ``MoELayer`` instance with the NCCL all-to-all dispatcher:
 Two class-level patches make megatron's own release paths skip ring storage through the pool's
 pure probe: ``ScheduleNode._forward`` (``free_input=True`` would ``resize_(0)`` a slot) and
 ``ChunkOffloadHandler.bulk_offload`` (``forced_released_tensors``); they stay while any
-installation is alive (one per model chunk with virtual pipelining). ``uninstall()`` restores
-everything. Nothing is patched at import time. HybridEP layers are refused here: their adapter
+installation is alive (one per model chunk with virtual pipelining), and so does a third: the
+full-iteration CUDA-graph wrapper (``FullCudaGraphWrapper.__call__``) runs its capture inside the
+pools' capture phase and orders replays and eager calls (:mod:`bufreuse.integrations.graphs`).
+``uninstall()`` restores everything. Nothing is patched at import time. HybridEP layers are refused here: their adapter
 (:mod:`bufreuse.integrations.hybridep`) needs a DeepEP with ``output_token``, which no release has.
 """
 
@@ -34,6 +36,7 @@ import torch
 from bufreuse.config import BufReuseConfig, static_bounds
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.alltoall import CatIntoRing, Held, RingAllToAll, aliases
+from bufreuse.integrations.graphs import patch_full_iteration
 from bufreuse.pool import BufferPool
 
 __all__ = ["Installation", "install", "installed"]
@@ -94,20 +97,28 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
     if any(_MARK in vars(m) for m in layers):
         raise ConfigError("bufreuse hooks are already installed on these MoE layers; uninstall() them first")
+    from bufreuse.integrations import flex  # the HybridEP flex-dispatcher path
+
     bad = [
         type(m.token_dispatcher).__name__
         for m in layers
-        if not isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher)
+        if not isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher) and not flex.is_hybridep_layer(m)
     ]
     if bad:
         raise ConfigError(
-            f"bufreuse hooks support MoEAlltoAllTokenDispatcher only; found {sorted(set(bad))} "
-            "(set moe_token_dispatcher_type='alltoall'; the HybridEP adapter needs DeepEP output_token)"
+            f"bufreuse hooks support MoEAlltoAllTokenDispatcher and the flex dispatcher's HybridEP backend; "
+            f"found {sorted(set(bad))} (set moe_token_dispatcher_type='alltoall', or 'flex' with "
+            "moe_flex_dispatcher_backend='hybridep')"
         )
     enabled = knobs.enabled()
     _active.append(inst)
     try:
         for layer in layers:
+            if flex.is_hybridep_layer(layer):
+                flex.hook_hybridep_layer(inst, layer, tokens)
+                _override(inst, layer, _MARK, True)
+                inst.layers += 1
+                continue
             _register(pool, knobs, layer.config, tokens)
             state = _LayerState()
             if "dispatch" in enabled:
@@ -287,6 +298,12 @@ def _patch_release_paths() -> None:
     handler = getattr(off, "ChunkOffloadHandler", None) if off is not None else None
     if handler is not None and hasattr(handler, "bulk_offload"):
         _patch_class(handler, "bulk_offload", _skip_ring_forced_release(probe))
+    patch_full_iteration(_release_undo, _active_pools)
+
+
+def _active_pools() -> list[BufferPool]:
+    """The pools of every live installation (what the full-iteration graph wrapper drives)."""
+    return [i.pool for i in _active]
 
 
 def _patch_class(cls: type, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

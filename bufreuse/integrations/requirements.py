@@ -96,6 +96,14 @@ def _no_moe_recompute(c: _Ctx) -> bool:
     )
 
 
+def _graphs_ok(c: _Ctx) -> bool:
+    impl = _get(c.cfg, "cuda_graph_impl", "none")
+    if impl in (None, "none"):
+        return True
+    pad = bool(_get(c.cfg, "moe_pad_expert_input_to_capacity", False))
+    return impl == "full_iteration" and pad and _get(c.cfg, "moe_expert_capacity_factor", None) is not None
+
+
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(
         key="dispatcher",
@@ -246,10 +254,13 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         buffers=BOTH,
         paths=frozenset({"alltoall"}),
         policies=REUSE,
-        text="no CUDA-graph capture of the MoE layer",
-        fix="set cuda_graph_impl='none'",
-        why="the NCCL-path hooks do not yet call the pool's capture hooks (prepare_capture/after_replay)",
-        test=lambda c: _get(c.cfg, "cuda_graph_impl", "none") in (None, "none"),
+        text="no per-layer CUDA graphs; a full-iteration graph only with drop-and-pad",
+        fix="set cuda_graph_impl='none', or cuda_graph_impl='full_iteration' with "
+        "moe_pad_expert_input_to_capacity=True and moe_expert_capacity_factor",
+        why="the full-iteration path runs capture, replays and eager calls through the pool's phase API "
+        "(bufreuse.integrations.graphs); per-layer graphs capture part of an iteration while slots are held, "
+        "and a dropless dispatcher syncs token counts to the host, which capture forbids",
+        test=_graphs_ok,
     ),
     Requirement(
         key="dispatch_slots",

@@ -21,7 +21,13 @@ import torch
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.features import accepts_keyword
 
-__all__ = ["FC2_OP_INDEX", "grouped_linear_into", "output_alias", "output_buffer_op_kwargs"]
+__all__ = [
+    "FC2_OP_INDEX",
+    "grouped_linear_into",
+    "output_alias",
+    "output_buffer_op_kwargs",
+    "require_fused_output_buffer",
+]
 
 FC2_OP_INDEX = -1
 """Basic-op index of FC2 in megatron's fused [fc1, activation, fc2] op sequence."""
@@ -54,3 +60,22 @@ def grouped_linear_into(module: Any, inp: torch.Tensor, m_splits: Any, out: torc
     if y.data_ptr() != out.data_ptr():
         raise RuntimeError("Transformer Engine ignored out= (returned other storage)")
     return result
+
+
+def require_fused_output_buffer(experts: Any, experts_module: Any) -> None:
+    """Fail early, naming what is missing, unless ``experts`` can write FC2 into a caller buffer.
+
+    ``experts`` is megatron-core's ``TEGroupedMLP`` (its op-fuser ``_fused_forward`` takes
+    ``output_buffer=`` and routes it as ``op_kwargs[-1][OUTPUT_BUFFER_KEY]``); ``experts_module`` is
+    ``megatron.core.transformer.moe.experts``, whose ``OUTPUT_BUFFER_KEY`` is None unless the
+    installed TE exports it. Checked by signature and importable key, never by version.
+    """
+    missing = []
+    if not accepts_keyword(type(experts).forward, "output_buffer"):
+        missing.append(f"{type(experts).__name__}.forward(output_buffer=) (megatron-core 0.19 TEGroupedMLP)")
+    elif not getattr(experts, "_with_fused_impl", False):
+        missing.append("the TE op-fuser grouped MLP (use_transformer_engine_op_fuser=True, a TE that fuses it)")
+    if getattr(experts_module, "OUTPUT_BUFFER_KEY", None) is None:
+        missing.append("Transformer Engine ops grouped_linear OUTPUT_BUFFER_KEY (TE PR #3161)")
+    if missing:
+        raise ConfigError("expert-output reuse needs " + "; ".join(missing))

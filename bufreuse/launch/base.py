@@ -21,12 +21,11 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from bufreuse.errors import InputError
 from bufreuse.fsutil import atomic_write_json, read_json
-from bufreuse.sweepdir import STATUSES, ConfigPaths, SweepDir
+from bufreuse.sweepdir import STATUSES, ConfigPaths, SweepDir, blank_metrics, utc_now
 
 __all__ = [
     "IN_FLIGHT_STATES",
@@ -145,10 +144,6 @@ def runner_argv(config_dir: str | os.PathLike[str], *, python: str | None = None
     return [python or sys.executable, "-m", "bufreuse.bench.runner", str(config_dir)]
 
 
-def utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
 def write_failure_metrics(
     paths: ConfigPaths,
     *,
@@ -169,24 +164,8 @@ def write_failure_metrics(
             config = read_json(paths.config)
         except (OSError, ValueError):
             config = {}
-    metrics: dict[str, Any] = {
-        "status": status,
-        "error": error,
-        "config": config,
-        "max_reserved_bytes": None,
-        "max_allocated_bytes": None,
-        "device_used_bytes": None,
-        "step_ms": None,
-        "tflops": None,
-        "pending_free_at_max_active_bytes": None,
-        "pending_free_by_category_at_max_active": None,
-        "ring_bytes": {},
-        "ring_slot_bytes": {},
-        "checksum": None,
-        "env": {"hostname": socket.gethostname(), "python": sys.version.split()[0]},
-        "started_at": started_at,
-        "finished_at": utc_now(),
-    }
+    env = {"hostname": socket.gethostname(), "python": sys.version.split()[0]}
+    metrics = blank_metrics(status=status, error=error, config=config, env=env, started_at=started_at)
     if extra:
         metrics.update(extra)
     atomic_write_json(paths.metrics, metrics)

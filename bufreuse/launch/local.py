@@ -121,35 +121,27 @@ class LocalLauncher:
                 paths.job,
                 {"launcher": "local", "pid": proc.pid, "host": socket.gethostname(), "started_at": started},
             )
+
+            def settle(status: str, error: str) -> None:
+                """Write the failure record unless the runner wrote its own metrics.json."""
+                if not paths.is_finished():
+                    write_failure_metrics(paths, status=status, config=config, started_at=started, error=error)
+
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
-                if not paths.is_finished():
-                    write_failure_metrics(
-                        paths,
-                        status="timeout",
-                        config=config,
-                        started_at=started,
-                        error=f"killed after {timeout:.0f} s (timeout_s + {self.grace_s:.0f} s grace); "
-                        f"log tail: {_tail(paths.log)}",
-                    )
+                settle(
+                    "timeout",
+                    f"killed after {timeout:.0f} s (timeout_s + {self.grace_s:.0f} s grace); "
+                    f"log tail: {_tail(paths.log)}",
+                )
             except BaseException:
                 _kill_group(proc)
-                if not paths.is_finished():
-                    write_failure_metrics(
-                        paths, status="cancelled", config=config, started_at=started, error="interrupted"
-                    )
+                settle("cancelled", "interrupted")
                 raise
             else:
-                if not paths.is_finished():
-                    write_failure_metrics(
-                        paths,
-                        status="failed",
-                        config=config,
-                        started_at=started,
-                        error=f"runner exited with code {rc} without writing metrics.json: {_tail(stderr_path)}",
-                    )
+                settle("failed", f"runner exited with code {rc} without writing metrics.json: {_tail(stderr_path)}")
         metrics = paths.read_metrics() or {}
         return str(metrics.get("status", "failed")), str(metrics.get("error") or "")
 

@@ -16,6 +16,7 @@ import statistics
 from typing import Any
 
 from bufreuse.errors import LogFormatError
+from bufreuse.fsutil import atomic_writer
 from bufreuse.sweepdir import ConfigPaths
 
 __all__ = ["compress_rank0_snapshot", "megatron_metrics"]
@@ -33,7 +34,12 @@ def compress_rank0_snapshot(paths: ConfigPaths) -> str | None:
     )
     if not candidates:
         return None
-    with open(candidates[0], "rb") as src, gzip.open(paths.snapshot, "wb", compresslevel=1) as dst:
+    # atomically: a half-written file would be taken as done by the ``exists()`` check above
+    with (
+        open(candidates[0], "rb") as src,
+        atomic_writer(paths.snapshot) as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as dst,
+    ):
         shutil.copyfileobj(src, dst, length=1 << 22)
     return str(paths.snapshot)
 

@@ -17,11 +17,12 @@ from typing import Any
 
 from bufreuse.errors import InputError
 from bufreuse.launch.base import Launcher, ProgressEvent, ProgressFn, clear_results, get_launcher
-from bufreuse.sweepdir import SweepDir, sweeps_root
+from bufreuse.sweepdir import SweepDir, check_config_id, sweeps_root
 
 __all__ = [
     "BUFFERS",
     "DEFAULT_PARAMS",
+    "DTYPES",
     "EXTRA_MODES",
     "SweepResult",
     "SweepSpec",
@@ -53,6 +54,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
 
 EXTRA_MODES = ("control", "stream-ordered")
 BUFFERS = ("dispatch", "expert")
+DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 _NOT_RESULT_KEYS = ("timeout_s", "stall_s")  # changing these does not change what a finished run measured
 
 
@@ -99,6 +101,19 @@ class SweepSpec:
         for key in ("hidden", "ffn", "tokens", "local_experts", "topk", "microbatches", "steps"):
             if int(p[key]) < 1:
                 raise InputError(f"--{key.replace('_', '-')} {p[key]}: must be >= 1")
+        for key in ("warmup_steps", "record_steps"):
+            if int(p[key]) < 0:
+                raise InputError(f"--{key.replace('_', '-')} {p[key]}: must be >= 0")
+        if p["dtype"] not in DTYPES:
+            raise InputError(f"--dtype {p['dtype']}: choose from {', '.join(DTYPES)}")
+        if self.name is not None:
+            try:
+                check_config_id(self.name)
+            except InputError:
+                raise InputError(
+                    f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (no '/'; it names a folder "
+                    "inside the sweeps root)"
+                ) from None
         if float(p["comm_ms"]) < 0:
             raise InputError(f"--comm-ms {p['comm_ms']}: must be >= 0")
         if self.timeout_s <= 0:

@@ -170,7 +170,7 @@ class BufferRing:
         on the slot's last release event on the GPU. Raises ``StaticShapeError`` beyond the bound or
         for another dtype, ``EarlyReuseError`` when every slot is held, ``CaptureStateError`` after a
         capture until ``after_replay``. A whole acquire+release pair costs about 6 us on the H200 host,
-        0.65x ``torch.empty`` + ``record_stream`` + free (docs/benchmarks-pool.md).
+        0.65x ``torch.empty`` + ``record_stream`` + free (docs/benchmarks.md).
         """
         if self._phase is Phase.GRAPHED:
             raise CaptureStateError(

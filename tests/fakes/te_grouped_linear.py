@@ -62,3 +62,69 @@ class FusedGroupedMLP:
         if buf is not None:
             _check_buffer(buf, (x.shape[0], self.fc2.out_features))
         return _grouped(h, fc2_splits, self.fc2.weights, buf)
+
+
+class _QuantizedCopy(torch.autograd.Function):
+    """Stand-in for TE's FP8 cast: a new tensor (what autograd saves), never the caller's input."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad
+
+
+class _IntoBuffer(torch.autograd.Function):
+    """The FC2 result lands in the caller's ``OUTPUT_BUFFER_KEY`` tensor, which becomes the op output."""
+
+    @staticmethod
+    def forward(ctx, y, buf):  # type: ignore[override]
+        buf.copy_(y)
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class MegatronGroupedLinear(torch.nn.Module):
+    """Trainable grouped linear built the way ``TEGroupedMLP`` calls its ``linear_fc1`` / ``linear_fc2`` builders."""
+
+    def __init__(self, num_gemms, in_features, out_features, *, config, init_method, bias, skip_bias_add,
+                 is_expert, tp_comm_buffer_name, pg_collection, name=None):  # fmt: skip
+        super().__init__()
+        self.out_features, self.use_bias = out_features, bool(bias)
+        g = torch.Generator().manual_seed(in_features * 31 + out_features)
+        self.weight = torch.nn.Parameter(torch.randn(num_gemms, out_features, in_features, generator=g) / in_features)
+
+    def grouped(self, x, m_splits):
+        """Rows past ``sum(m_splits)`` (the unused part of a static-bound input) come out zero."""
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        used = sum(splits)
+        parts = [p @ w.t() for p, w in zip(torch.split(x[:used], splits), self.weight, strict=True)]
+        parts.append(x.new_zeros((x.shape[0] - used, self.out_features)))
+        return torch.cat(parts, dim=0)
+
+
+class TrainableFusedGroupedMLP:
+    """Op-fuser stand-in for [fc1, scaled activation, fc2] with autograd, as ``TEGroupedMLP._fused_forward`` calls it.
+
+    The input goes through a quantized copy first (FP8 expert GEMMs save that, not the dispatch
+    output); the FC2 output is written into ``op_kwargs[-1][OUTPUT_BUFFER_KEY]`` when given.
+    """
+
+    def __init__(self, fc1: MegatronGroupedLinear, fc2: MegatronGroupedLinear) -> None:
+        self.fc1, self.fc2 = fc1, fc2
+        self.received_buffers: list[torch.Tensor | None] = []
+
+    def __call__(self, x, m_splits, probs, fc2_splits, op_kwargs=None):
+        buf = (op_kwargs or {}).get(-1, {}).get(ops_grouped_linear.OUTPUT_BUFFER_KEY)
+        self.received_buffers.append(buf)
+        h = torch.relu(self.fc1.grouped(_QuantizedCopy.apply(x), m_splits)) * probs.unsqueeze(-1)
+        y = self.fc2.grouped(_QuantizedCopy.apply(h), fc2_splits)
+        if buf is None:
+            return y
+        _check_buffer(buf, tuple(y.shape))
+        return _IntoBuffer.apply(y, buf)

@@ -1,0 +1,356 @@
+"""The HybridEP flex-dispatcher wiring on CPU: real megatron-core 0.19.2 layer code, fake DeepEP and TE.
+
+What is real: ``TransformerConfig`` (flex dispatcher, ``hybridep`` backend, rank capacity factor or pad-to-capacity,
+op fuser), ``MoELayer`` methods, ``MoEFlexTokenDispatcher`` and ``_HybridEPManager``
+(``setup_metadata`` / ``dispatch`` / ``combine``), ``fused_a2a.HybridEPDispatch`` /
+``HybridEPCombine`` (autograd) and ``init_hybrid_ep_buffer``, ``TEGroupedMLP.forward`` /
+``_fused_forward``. What is fake (none installs here): DeepEP's ``HybridEPBuffer``
+(``tests/fakes/deep_ep_hybrid.py``, the signatures of DeepEP hybrid-ep @ 098da2a6 plus exactly
+``output_token=``), TE's op-fuser sequence and grouped linears (``tests/fakes/te_grouped_linear.py``,
+the names megatron-core 0.19.2 uses). Shims, all restored after each test: fused_a2a's
+``HAVE_HYBRIDEP`` / ``HybridEPBuffer`` / ``_hybrid_ep_buffer``, the two thin ``hybrid_ep_dispatch`` /
+``hybrid_ep_combine`` wrappers megatron defines only when DeepEP imports (here: the same calls into
+its real autograd Functions), ``experts.OUTPUT_BUFFER_KEY``, and ``torch.zeros(device='cuda')``
+while ``_HybridEPManager`` is constructed (its overflow flag). Set after construction because
+megatron refuses them without TE: ``fp8`` on the config and ``TEGroupedMLP``'s op-fuser switch.
+The router is bypassed with a fixed routing (it moves its weight to CUDA).
+"""
+
+from __future__ import annotations
+
+import socket
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+import inspect  # noqa: E402
+
+from fakes import deep_ep_hybrid as dep  # noqa: E402
+from fakes import te_grouped_linear as te  # noqa: E402
+
+from bufreuse.config import BufReuseConfig, static_bounds  # noqa: E402
+from bufreuse.errors import ConfigError  # noqa: E402
+from bufreuse.integrations.hybridep import OutputTokenInjector  # noqa: E402
+from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
+
+HIDDEN, SEQ, MBS, EXPERTS, TOPK, FACTOR = 32, 16, 4, 4, 2, 8.0
+TOKENS = SEQ * MBS  # 64 tokens; budget int(64 x 2 x 8) = 1024 rows = 4 experts x 256 (op-fuser alignment)
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def hybridep(monkeypatch, parallel):
+    """megatron-core's fused_a2a as if DeepEP with HybridEP (the fake) were installed; undone after."""
+    from megatron.core.transformer.moe import experts, fused_a2a
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, num_sms_dispatch_api=None,
+                           num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None,
+                           fused=False, num_permuted_tokens=None, pad_multiple=None,
+                           num_sms_preprocessing_api=108):  # fmt: skip
+        return fused_a2a.HybridEPDispatch.apply(
+            x, routing_map, probs, group, num_local_experts, num_sms_dispatch_api, num_sms_combine_api,
+            num_blocks_permute, num_blocks_unpermute, fused, num_permuted_tokens, pad_multiple,
+            num_sms_preprocessing_api,
+        )  # fmt: skip
+
+    def hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False):
+        return fused_a2a.HybridEPCombine.apply(x, handle, num_permuted_tokens, pad_multiple, fused)
+
+    monkeypatch.setattr(fused_a2a, "HAVE_HYBRIDEP", True)
+    monkeypatch.setattr(fused_a2a, "HybridEPBuffer", dep.HybridEPBuffer, raising=False)
+    monkeypatch.setattr(fused_a2a, "_hybrid_ep_buffer", None)
+    for mod in (fused_a2a, td):
+        monkeypatch.setattr(mod, "hybrid_ep_dispatch", hybrid_ep_dispatch)
+        monkeypatch.setattr(mod, "hybrid_ep_combine", hybrid_ep_combine)
+    monkeypatch.setattr(experts, "OUTPUT_BUFFER_KEY", te.ops_grouped_linear.OUTPUT_BUFFER_KEY)
+    return fused_a2a
+
+
+class _CpuZeros(types.SimpleNamespace):
+    """``torch`` for token_dispatcher while a manager is built: ``zeros(device='cuda')`` lands on CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+
+def _layer(monkeypatch, fp8: str | None = "e4m3", **bound: object):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="hybridep",
+        use_transformer_engine_op_fuser=True,
+        moe_grouped_gemm=True,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        **(bound or {"moe_expert_rank_capacity_factor": FACTOR}),
+    )
+    with monkeypatch.context() as m:
+        m.setattr(td, "torch", _CpuZeros())
+        layer = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    cfg.use_transformer_engine_op_fuser = False  # TEGroupedMLP asserts TE's fused ops exist when True
+    subs = GroupedMLPSubmodules(linear_fc1=te.MegatronGroupedLinear, linear_fc2=te.MegatronGroupedLinear)
+    mlp = TEGroupedMLP(EXPERTS, cfg, subs, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    cfg.use_transformer_engine_op_fuser = True
+    mlp._with_fused_impl = True
+    mlp._fused_ops = (te.TrainableFusedGroupedMLP(mlp.linear_fc1, mlp.linear_fc2),)
+    layer.experts = mlp
+    cfg.fp8 = fp8  # megatron refuses fp8 at construction without TE
+    return layer
+
+
+def _routing(i: int):
+    g = torch.Generator().manual_seed(100 + i)
+    top = torch.softmax(torch.randn(TOKENS, EXPERTS, generator=g), -1).topk(TOPK)
+    routing = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, top.indices, True)
+    return routing, torch.zeros(routing.shape).scatter(1, top.indices, top.values)
+
+
+def _dispatch(layer, x, i):
+    routing, probs = _routing(i)
+    h, p = layer.preprocess(x, probs, routing)
+    return layer.dispatch(h, p)
+
+
+def _forward(layer, x, i):
+    d, p = _dispatch(layer, x, i)
+    out, _ = layer.routed_experts_compute(d, p)
+    return layer.postprocess(layer.combine(out), None)
+
+
+def _interleaved(layer, xs):
+    """F0 F1 B0 F2 B1 B2: two microbatches in flight."""
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    outs = {}
+    for step in ("F0", "F1", "B0", "F2", "B1", "B2"):
+        i = int(step[1])
+        if step[0] == "F":
+            outs[i] = _forward(layer, leaves[i], i)
+        else:
+            outs[i].backward(torch.full_like(outs[i], 0.5 + i))
+    return [outs[i].detach() for i in range(3)], [x.grad for x in leaves]
+
+
+def _knobs(slots: int = 2) -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers=slots,
+        moe_hybridep_num_expert_output_buffers=slots,
+    )
+
+
+def _inputs():
+    return [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def test_fake_hybridep_buffer_signatures_match_upstream() -> None:
+    sig = inspect.signature
+    assert str(sig(dep.HybridEPBuffer.__init__)) == dep.UPSTREAM_INIT
+    assert str(sig(dep.HybridEPBuffer.combine_with_unpermute)) == dep.UPSTREAM_COMBINE_WITH_UNPERMUTE
+    params = dict(sig(dep.HybridEPBuffer.dispatch_with_permute).parameters)
+    assert params.pop("output_token").kind is inspect.Parameter.KEYWORD_ONLY
+    assert str(inspect.Signature(list(params.values()))) == dep.UPSTREAM_DISPATCH_WITH_PERMUTE
+
+
+def test_install_hands_ring_slots_to_deepep_and_te_and_matches_control(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch)
+    xs = _inputs()
+    ref_out, ref_grad = _interleaved(layer, xs)
+    ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    buffer = hybridep._hybrid_ep_buffer
+    assert isinstance(buffer, dep.HybridEPBuffer) and buffer.output_tokens == []
+    ops = layer.experts._fused_ops[0]
+    ops.received_buffers.clear()
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(), tokens=TOKENS) as inst, pool.autograd_guard():
+        assert inst.layers == 1 and isinstance(hybridep._hybrid_ep_buffer, OutputTokenInjector)
+        out, grad = _interleaved(layer, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref_grad, grad, strict=True))
+    assert {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}.keys() == ref_params.keys()
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in layer.named_parameters() if p.grad is not None)
+    # DeepEP got the dispatch slots, TE got (detached aliases of) the FC2 slots; 2 slots rotate.
+    tokens_in = [t.data_ptr() for t in buffer.output_tokens]
+    fc2_in = [b.data_ptr() for b in ops.received_buffers]
+    assert len(tokens_in) == 3 and tokens_in[0] != tokens_in[1] and tokens_in[2] == tokens_in[0]
+    assert len(fc2_in) == 3 and fc2_in[0] != fc2_in[1] and fc2_in[2] == fc2_in[0]
+    assert all(pool.is_ring_storage(t) for t in buffer.output_tokens + ops.received_buffers)
+    assert not any(b.requires_grad for b in ops.received_buffers)
+    assert buffer.calls.count("dispatch+output_token") == 3  # backward dispatches (of combine) stay plain
+    stats = pool.stats()
+    for name in ("dispatch_output", "expert_fc2_output"):
+        assert stats[name].acquisitions == stats[name].releases == 3 and stats[name].peak_held == 1
+
+
+def test_slots_released_at_final_consumers(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch)
+    pool = BufferPool("cpu")
+    x = _inputs()[0].requires_grad_(True)
+    with install(layer, pool, _knobs(), tokens=TOKENS):
+        d, p = _dispatch(layer, x, 0)
+        mgr = layer.token_dispatcher._comm_manager
+        assert pool.owns("dispatch_output", d) and d.shape[0] == mgr.num_permuted_tokens
+        held = lambda n: pool.stats()[n].acquisitions - pool.stats()[n].releases  # noqa: E731
+        assert (held("dispatch_output"), held("expert_fc2_output")) == (1, 0)
+        out, _ = layer.routed_experts_compute(d, p)  # experts: final reader of the dispatch slot
+        assert (held("dispatch_output"), held("expert_fc2_output")) == (0, 1)
+        assert pool.is_ring_storage(out)
+        y = layer.combine(out)  # HybridEP combine: final reader of the FC2 slot
+        assert (held("dispatch_output"), held("expert_fc2_output")) == (0, 0)
+        layer.postprocess(y, None).sum().backward()
+    bound = static_bounds(layer.config, _knobs(), path="hybridep", tokens=TOKENS)["dispatch"]
+    assert bound.rows == int(TOKENS * TOPK * FACTOR) == d.shape[0]
+
+
+def test_early_reuse_names_the_knob(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch)
+    pool = BufferPool("cpu")
+    x = _inputs()[0]
+    with install(layer, pool, _knobs(slots=1), tokens=TOKENS), torch.no_grad():
+        d, p = _dispatch(layer, x, 0)
+        with pytest.raises(EarlyReuseError, match="moe_hybridep_num_dispatch_output_buffers to at least 2"):
+            _dispatch(layer, x, 1)
+        assert hybridep._hybrid_ep_buffer.output_tokens[-1].data_ptr() == d.data_ptr()  # nothing armed leaked
+        layer.routed_experts_compute(d, p)
+        d2, p2 = _dispatch(layer, x, 1)
+        with pytest.raises(EarlyReuseError, match="moe_hybridep_num_expert_output_buffers to at least 2"):
+            layer.routed_experts_compute(d2, p2)
+
+
+def test_install_fails_early_naming_the_missing_api(hybridep, monkeypatch) -> None:
+    from megatron.core.transformer.moe import experts
+
+    layer = _layer(monkeypatch)
+    mgr = layer.token_dispatcher._comm_manager
+    init = hybridep.init_hybrid_ep_buffer
+    monkeypatch.setattr(hybridep, "HybridEPBuffer", dep.HybridEPBufferUpstream)
+    with pytest.raises(ConfigError, match=r"dispatch_with_permute has no output_token"):
+        install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    assert "dispatch" not in vars(mgr) and "forward" not in vars(layer.experts)
+    assert hybridep.init_hybrid_ep_buffer is init
+    monkeypatch.setattr(hybridep, "HybridEPBuffer", dep.HybridEPBuffer)
+    monkeypatch.setattr(experts, "OUTPUT_BUFFER_KEY", None)
+    layer.config.fp8 = None
+    with pytest.raises(ConfigError, match="FP8/FP4") as err:
+        install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    assert "OUTPUT_BUFFER_KEY" in str(err.value)  # every unmet requirement in one error
+
+
+def test_uninstall_restores_originals_exactly(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch)
+    with torch.no_grad():
+        _forward(layer, _inputs()[0], 0)  # megatron's own per-step attributes exist from here on
+    objs = [layer, layer.experts, layer.token_dispatcher, layer.token_dispatcher._comm_manager]
+    before = [dict(vars(o)) for o in objs]
+    init, buffer = hybridep.init_hybrid_ep_buffer, hybridep._hybrid_ep_buffer
+    inst = install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    assert hybridep.init_hybrid_ep_buffer is not init and hybridep._hybrid_ep_buffer.inner is buffer
+    with torch.no_grad():
+        _forward(layer, _inputs()[0], 1)
+    inst.uninstall()
+    assert hybridep.init_hybrid_ep_buffer is init and hybridep._hybrid_ep_buffer is buffer
+    for obj, b in zip(objs, before, strict=True):
+        a = vars(obj)
+        assert a.keys() == b.keys()
+        assert all(a[k] is v for k, v in b.items() if callable(v) and not isinstance(v, torch.nn.Module))
+        for name in ("dispatch", "forward", "token_combine", "routed_experts_compute"):
+            if hasattr(type(obj), name):
+                assert getattr(obj, name).__func__ is getattr(type(obj), name)
+    with torch.no_grad():
+        _forward(layer, _inputs()[0], 2)  # plain megatron again
+    assert buffer.calls[-2:] == ["dispatch", "combine"]
+
+
+def test_uninstall_unwraps_a_buffer_created_while_installed(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch)
+    assert hybridep._hybrid_ep_buffer is None
+    inst = install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    with torch.no_grad():
+        _forward(layer, _inputs()[0], 0)  # megatron's init_hybrid_ep_buffer runs inside dispatch: wrapped
+    assert isinstance(hybridep._hybrid_ep_buffer, OutputTokenInjector)
+    inst.uninstall()
+    assert type(hybridep._hybrid_ep_buffer) is dep.HybridEPBuffer
+    assert hybridep._hybrid_ep_buffer.calls == ["dispatch+output_token", "combine"]
+
+
+def test_autograd_guard_catches_experts_that_save_the_dispatch_slot(hybridep, monkeypatch) -> None:
+    """Why FP8/FP4 is required: a bf16 GEMM saves its input (the slot itself); the pool's guard says so."""
+    from bufreuse.pool import SavedForBackwardError
+
+    monkeypatch.setattr(te._QuantizedCopy, "apply", staticmethod(lambda x: x))  # no quantized copy
+    layer = _layer(monkeypatch)
+    pool = BufferPool("cpu")
+    guard = pytest.raises(SavedForBackwardError)
+    with install(layer, pool, _knobs(), tokens=TOKENS), pool.autograd_guard(), guard:
+        _interleaved(layer, _inputs())
+
+
+def test_stream_ordered_policy_needs_no_fp8_and_matches_control(hybridep, monkeypatch) -> None:
+    """The allocator policy only drops the pool's reference: bf16 experts may save the dispatch output."""
+    monkeypatch.setattr(te._QuantizedCopy, "apply", staticmethod(lambda x: x))
+    layer = _layer(monkeypatch, fp8=None)
+    xs = _inputs()
+    ref_out, ref_grad = _interleaved(layer, xs)
+    knobs = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers=0,
+        moe_hybridep_num_expert_output_buffers=1,
+        moe_bufreuse_dispatch_policy="stream-ordered",
+        moe_bufreuse_expert_policy="stream-ordered",
+    )
+    pool = BufferPool("cpu")
+    with install(layer, pool, knobs, tokens=TOKENS):
+        out, grad = _interleaved(layer, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
+    assert len(hybridep._hybrid_ep_buffer.output_tokens) == 3
+    assert {s.acquisitions for s in pool.stats().values()} == {3}
+
+
+def test_pad_to_capacity_bound_matches_the_manager(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    knobs = _knobs()
+    bound = static_bounds(layer.config, knobs, path="hybridep", tokens=TOKENS)["dispatch"]
+    pool = BufferPool("cpu")
+    with install(layer, pool, knobs, tokens=TOKENS), torch.no_grad():
+        d, _ = _dispatch(layer, _inputs()[0], 0)
+        mgr = layer.token_dispatcher._comm_manager
+        assert d.shape[0] == mgr.num_permuted_tokens == mgr.capacity * EXPERTS == bound.rows  # capacity x EP x local
+        assert hybridep._hybrid_ep_buffer.output_tokens[-1].data_ptr() == d.data_ptr()
