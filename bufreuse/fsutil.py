@@ -29,6 +29,8 @@ def atomic_writer(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     A folder that cannot be created or written raises :class:`~bufreuse.errors.OutputError` (exit 2).
     """
     path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{path}: is a folder; give a file name to write")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -39,7 +41,10 @@ def atomic_writer(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # a folder appeared at ``path``, or the target is not writable
+            raise OutputError(f"{path}: cannot write here ({e.strerror or e}); choose another output path") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -230,6 +230,23 @@ def test_resolve_unfinished_config_folder_raises(tmp_path: Path) -> None:
         resolve_runs(["control", "slots4"], root=tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("step_ms", "fast", "step_ms is str"),
+        ("ring_slot_bytes", [1], "ring_slot_bytes is list"),
+        ("env", "h200", "env is str"),
+        ("step_ms", {"values": "1,2"}, "step_ms.values is str"),
+    ],
+)
+def test_resolve_malformed_metrics_field_raises_input_error(
+    tmp_path: Path, field: str, value: object, message: str
+) -> None:
+    make_sweep(tmp_path, metrics={"slots4": make_metrics("slots4", **{field: value})})
+    with pytest.raises(InputError, match=message):
+        resolve_runs([str(tmp_path / "sweep-a" / "slots4")])
+
+
 def test_resolve_unfinished_config_in_feature_is_pending(tmp_path: Path) -> None:
     sweep = make_sweep(tmp_path)
     (sweep.folder / "slots4" / "metrics.json").unlink()

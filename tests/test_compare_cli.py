@@ -47,6 +47,7 @@ def test_cli_compare_fail_on_regression_exits_one(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "regression beyond the noise band" in result.output
     assert "slurm-2796654:tflops_mean" in result.output
+    assert "not counted, covered by ring storage: slurm-2796654:max_allocated_mib" in result.output
 
 
 def test_cli_compare_fail_on_regression_passes_within_bands(tmp_path: Path) -> None:

@@ -56,6 +56,16 @@ def test_run_demo_writes_every_table_and_plot(tmp_path: Path) -> None:
     assert "snapshot h200-eager/slots0/snapshot.pickle.gz" in summary
 
 
+def test_run_demo_snapshot_plots_of_dotted_folders_do_not_collide(tmp_path: Path) -> None:
+    ex = tmp_path / "examples"
+    for name in ("run.1", "run.2"):
+        make_sweep(ex, name, ("slots0", "slots4"))
+        shutil.copy(SNAPSHOTS / "record_stream.pickle.gz", ex / name / "slots0" / "snapshot.pickle.gz")
+    result = run_demo(ex, tmp_path / "demo")
+    pngs = sorted(p.name for p in result.files if p.parent.name == "snapshots")
+    assert pngs == ["run.1__slots0__snapshot.png", "run.2__slots0__snapshot.png"]
+
+
 def test_run_demo_failed_configuration_is_reported(tmp_path: Path) -> None:
     ex = _examples(tmp_path, failed=True)
     (ex / "h200-graph" / "slots4-graph" / "snapshot.pickle.gz").write_bytes(b"\x1f\x8bnot a gzip stream")

@@ -34,6 +34,13 @@ def test_atomic_write_into_a_file_raises_output_error(tmp_path: Path) -> None:
     assert info.value.exit_code == 2
 
 
+def test_atomic_write_onto_a_folder_raises_output_error(tmp_path: Path) -> None:
+    (tmp_path / "plots").mkdir()
+    with pytest.raises(OutputError, match="is a folder"):
+        atomic_write_json(tmp_path / "plots", {})
+    assert [p.name for p in tmp_path.iterdir()] == ["plots"]
+
+
 def test_blank_metrics_has_every_key_and_fresh_maps() -> None:
     a = blank_metrics(status="failed", error="boom", config={"slots": 4}, env={}, started_at=None)
     assert set(METRIC_FIGURES) | {"status", "error", "config", "env", "started_at", "finished_at"} == set(a)

@@ -319,13 +319,22 @@ def _eager(layer, data) -> list:
 @pytest.mark.parametrize("policy", ["ring", "stream-ordered"])
 def test_full_iteration_graph_megatron_wrapper_replays_match_eager(graphable_rng, policy: str) -> None:
     """megatron-core's FullCudaGraphWrapper (patched by install) captures one iteration; replays and eager match."""
-    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader, get_shared_capture_stream
 
     from bufreuse.config import validate
     from bufreuse.integrations.graphs import GraphPhases
     from bufreuse.pool import Phase
 
     layer = _pad_layer()
+    # As Megatron-LM's DDP set-up does for cuda_graph_impl="full_iteration": each parameter's
+    # AccumulateGrad node is created (and kept) on the capture stream, so a node kept alive from an
+    # eager iteration does not tie the capture to the legacy default stream (the first H200 run of
+    # this test without it failed at capture: cudaErrorStreamCaptureImplicit from AccumulateGrad).
+    capture = get_shared_capture_stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        grad_accs = [p.expand_as(p).grad_fn.next_functions[0][0] for p in layer.parameters() if p.requires_grad]
+    torch.cuda.current_stream().wait_stream(capture)
     slots = 2  # ring slots; the stream-ordered policy holds none (the knob only switches expert reuse on)
     knobs = BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True,
@@ -365,7 +374,7 @@ def test_full_iteration_graph_megatron_wrapper_replays_match_eager(graphable_rng
         "control_run_to_run": tol, "max_diff_per_iteration": diffs, "phases": phases, "stats": stats,
         "captured_at_iteration": warmup, "replays": iters - warmup,
     }  # fmt: skip
-    assert FullCudaGraphWrapper.__dict__["__call__"] is orig_call  # uninstall restored megatron's method
+    assert grad_accs and FullCudaGraphWrapper.__dict__["__call__"] is orig_call  # uninstall restored it
     assert phases == ["eager"] * warmup + ["graphed"] * (iters - warmup) + ["eager"], phases
     assert pool.phase is Phase.EAGER
     assert all(d <= tol for d in diffs), (diffs, tol)

@@ -223,3 +223,29 @@ def test_local_cancel_stops_running_configuration(tmp_path: Path) -> None:
     worker.join(timeout=30)
     assert not worker.is_alive()
     assert sweep.paths("slots2").read_metrics()["status"] == "cancelled"
+
+
+def test_local_stale_job_json_with_reused_pid_is_not_running(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    from bufreuse.fsutil import atomic_write_json
+
+    sweep = SweepDir(tmp_path / "s")
+    sweep.write_manifest({"name": "s", "configs": ["slots2"]})
+    paths = sweep.write_config("slots2", {"workload": "fake"})
+    job = {"launcher": "local", "pid": os.getpid(), "host": socket.gethostname(), "pid_start": -1}
+    atomic_write_json(paths.job, job)  # this pid is alive, but it is not the process that job.json named
+    launcher = LocalLauncher()
+    assert launcher.status(sweep) == {"slots2": "pending"}
+    assert launcher.cancel(sweep) == []  # and nothing was signalled: this test process is still here
+
+
+def test_local_prepare_refuses_unknown_workload_before_gpu_check(tmp_path: Path) -> None:
+    spec = SweepSpec(slots=[0], params={"workload": "nope"}, root=str(tmp_path), name="w")  # device cuda
+    with pytest.raises(InputError, match="workload 'nope' does not run locally"):
+        run_sweep(spec, launcher=LocalLauncher())
+    assert not (tmp_path / "w").exists()
+    fake = LocalLauncher(env=_fake_workloads(tmp_path))  # names from the launcher's own env count
+    ok = run_sweep(_spec(tmp_path, slots=[0], modes=[], params={**TINY, "workload": "fake"}), launcher=fake)
+    assert ok.statuses == {"slots0": "ok"}

@@ -61,6 +61,14 @@ def test_rows_deltas_against_matching_control() -> None:
     assert rows["slots10"].status == "pending" and rows["slots10"].mode == "ring" and rows["slots10"].slots == 10
 
 
+def test_rows_malformed_metrics_fields_become_blank() -> None:
+    bad = {**_m("ring", 4, 3112, 36.36), "step_ms": "fast", "max_reserved_bytes": "lots", "config": {"slots": "4"}}
+    rows = {r.config_id: r for r in rows_from_metrics({"slots0": _m("control", 0, 5672, 36.0), "slots4": bad})}
+    assert rows["slots4"].step_ms is None and rows["slots4"].max_reserved_bytes is None
+    assert rows["slots4"].reserved_delta_bytes is None and rows["slots4"].slots == 4
+    Console(width=200, record=True).print(sweep_table(list(rows.values())))  # renders, no TypeError
+
+
 def test_checksum_mismatch_names_groups() -> None:
     rows = rows_from_metrics({"slots0": _m("control", 0, 1, 1.0), "slots2": _m("ring", 2, 1, 1.0, checksum="zzz")})
     assert checksum_mismatches(rows) == {"abc": ["slots0"], "zzz": ["slots2"]}

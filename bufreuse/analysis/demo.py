@@ -139,12 +139,20 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
         reports.append(report)
         renderables.append(file_renderable(report))
         if res.timeline is not None:
-            png = out / "snapshots" / (name.replace("/", "__").split(".")[0] + ".png")
+            png = out / "snapshots" / (_strip_snapshot_suffix(name).replace("/", "__") + ".png")
             files.append(write_timeline_png(res.timeline, png, title=name))
     text = renderable_text(_snapshot_table(reports)) + "".join(renderable_text(r) for r in renderables)
     files.insert(0, atomic_write_json(out / "snapshots.json", reports))
     files.insert(1, atomic_write_text(out / "snapshots.txt", text))
     return reports, files
+
+
+def _strip_snapshot_suffix(name: str) -> str:
+    """``a.v2/slots0/snapshot.pickle.gz`` -> ``a.v2/slots0/snapshot`` (dots in folder names kept)."""
+    for suffix in sorted(_SNAPSHOT_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
 
 
 def _snapshot_table(reports: list[dict[str, Any]]) -> Table:

@@ -188,8 +188,11 @@ def _from_config(paths: ConfigPaths, label: str, *, required: bool = True) -> Ru
     if run.status != "ok":
         run.warnings.append(f"status {run.status}: {metrics.get('error') or 'no error message'}")
         return run
-    step = metrics.get("step_ms") or {}
-    run.step_ms = [float(v) for v in step.get("values") or [] if _finite(v)]
+    step = _mapping(metrics, "step_ms", paths)
+    values = step.get("values") or []
+    if not isinstance(values, list):
+        raise InputError(f"{paths.metrics}: step_ms.values is {type(values).__name__}, expected a list of ms")
+    run.step_ms = [float(v) for v in values if _finite(v)]
     if not run.step_ms and _finite(step.get("median")):
         run.step_ms = [float(step["median"])]
         run.warnings.append("metrics.json has no per-step values; using the median only")
@@ -202,17 +205,17 @@ def _from_config(paths: ConfigPaths, label: str, *, required: bool = True) -> Ru
     run.max_reserved_bytes = _int(metrics.get("max_reserved_bytes"))
     run.device_used_bytes = _int(metrics.get("device_used_bytes"))
     run.pending_free_bytes = _int(metrics.get("pending_free_at_max_active_bytes"))
-    ring_bytes = metrics.get("ring_bytes") or {}
-    for name, per_slot in (metrics.get("ring_slot_bytes") or {}).items():
+    ring_bytes = _mapping(metrics, "ring_bytes", paths)
+    for name, per_slot in _mapping(metrics, "ring_slot_bytes", paths).items():
         if _int(per_slot):
             run.ring_slot_bytes[name] = int(per_slot)
-            run.ring_slots[name] = int(ring_bytes.get(name, 0)) // int(per_slot)
+            run.ring_slots[name] = (_int(ring_bytes.get(name)) or 0) // int(per_slot)
     if run.ring_slot_bytes:
         run.slot_bytes_source = "metrics.json"
-    env = metrics.get("env") or {}
+    env = _mapping(metrics, "env", paths)
     run.job_id = str(env["slurm_job_id"]) if env.get("slurm_job_id") else None
     run.node_list = _nodes(env.get("slurm_nodelist"), run.warnings) or _job_nodes(paths.job, run)
-    if run.node_list is None and env.get("hostname") and int(env.get("world_size") or 1) <= 1:
+    if run.node_list is None and env.get("hostname") and (_int(env.get("world_size")) or 1) <= 1:
         run.node_list = [str(env["hostname"])]
     return run
 
@@ -338,6 +341,14 @@ def _unique_labels(runs: list[RunRecord]) -> None:
             if run.label in seen:
                 run.label = f"{run.label}#{seen[run.label]}"
         seen.setdefault(run.label, 1)
+
+
+def _mapping(metrics: dict[str, Any], key: str, paths: ConfigPaths) -> dict[str, Any]:
+    """``metrics[key]`` as a dict (``{}`` when absent or null); another type is a bad file, not a crash."""
+    value = metrics.get(key) or {}
+    if not isinstance(value, dict):
+        raise InputError(f"{paths.metrics}: {key} is {type(value).__name__}, expected an object (JSON {{...}})")
+    return value
 
 
 def _finite(v: Any) -> bool:

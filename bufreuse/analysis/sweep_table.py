@@ -8,6 +8,7 @@ ones. ``bufreuse sweep`` and ``bufreuse demo`` render the same rows.
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -71,15 +72,16 @@ def rows_from_metrics(metrics_by_id: dict[str, dict[str, Any] | None]) -> list[S
     """Rows from ``{config_id: metrics.json content or None}``, with deltas against the controls."""
     rows: list[SweepRow] = []
     for cid, m in metrics_by_id.items():
-        cfg = (m or {}).get("config") or {}
+        cfg = _obj((m or {}).get("config"))
         graph = bool(cfg.get("cuda_graph", cid.endswith("-graph")))
         base = cid.removesuffix("-graph")
-        mode = cfg.get("mode") or ("control" if base == "slots0" else "ring" if base.startswith("slots") else base)
-        slots = int(cfg.get("slots", base[5:] if base.startswith("slots") and base[5:].isdigit() else 0))
+        mode = str(cfg.get("mode") or ("control" if base == "slots0" else "ring" if base.startswith("slots") else base))
+        default_slots = int(base[5:]) if base.startswith("slots") and base[5:].isdigit() else 0
+        slots = int(_num(cfg.get("slots")) or default_slots)
         if m is None:
             rows.append(SweepRow(config_id=cid, mode=mode, slots=slots, cuda_graph=graph, status="pending"))
             continue
-        step = m.get("step_ms") or {}
+        step = _obj(m.get("step_ms"))  # a hand-edited or foreign file: wrong types show as "—", not a crash
         rows.append(
             SweepRow(
                 config_id=cid,
@@ -87,13 +89,13 @@ def rows_from_metrics(metrics_by_id: dict[str, dict[str, Any] | None]) -> list[S
                 slots=slots,
                 cuda_graph=graph,
                 status=str(m.get("status")),
-                max_reserved_bytes=m.get("max_reserved_bytes"),
-                max_allocated_bytes=m.get("max_allocated_bytes"),
-                pending_free_bytes=m.get("pending_free_at_max_active_bytes"),
-                step_ms=step.get("median"),
-                step_p10_ms=step.get("p10"),
-                step_p90_ms=step.get("p90"),
-                tflops=m.get("tflops"),
+                max_reserved_bytes=_num(m.get("max_reserved_bytes")),
+                max_allocated_bytes=_num(m.get("max_allocated_bytes")),
+                pending_free_bytes=_num(m.get("pending_free_at_max_active_bytes")),
+                step_ms=_num(step.get("median")),
+                step_p10_ms=_num(step.get("p10")),
+                step_p90_ms=_num(step.get("p90")),
+                tflops=_num(m.get("tflops")),
                 checksum=m.get("checksum"),
                 error=m.get("error"),
             )
@@ -108,6 +110,16 @@ def rows_from_metrics(metrics_by_id: dict[str, dict[str, Any] | None]) -> list[S
         if r.step_ms is not None and c.step_ms:
             r.step_delta_pct = 100.0 * (r.step_ms / c.step_ms - 1.0)
     return rows
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _num(value: Any) -> Any:
+    """``value`` when it is a finite number (int or float, not bool), else None."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
 
 
 def load_sweep_rows(folder: str | os.PathLike[str], config_ids: list[str] | None = None) -> list[SweepRow]:

@@ -30,14 +30,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bufreuse.bench.workloads import resolve_workload
+from bufreuse.bench.workloads import EXTRA_WORKLOADS_ENV, extra_workloads, resolve_workload
 from bufreuse.errors import BufreuseError
 from bufreuse.fsutil import atomic_write_json, read_json
 from bufreuse.sweepdir import ConfigPaths, blank_metrics, utc_now
 
 __all__ = ["EXTRA_WORKLOADS_ENV", "collect_env", "main", "run_config_dir"]
 
-EXTRA_WORKLOADS_ENV = "BUFREUSE_WORKLOADS"
 _MAX_KEYS = ("max_reserved_bytes", "max_allocated_bytes", "device_used_bytes")
 log = logging.getLogger("bufreuse.bench.runner")
 
@@ -82,16 +81,6 @@ def collect_env(rank: int, world_size: int) -> dict[str, Any]:
             except (OSError, subprocess.SubprocessError, IndexError):
                 env["driver"] = None
     return env
-
-
-def _extra_workloads() -> dict[str, str]:
-    extra: dict[str, str] = {}
-    for item in filter(None, os.environ.get(EXTRA_WORKLOADS_ENV, "").split(",")):
-        name, sep, target = item.partition("=")
-        if not sep or ":" not in target:
-            raise BufreuseError(f"${EXTRA_WORKLOADS_ENV}: {item!r} is not name=module:function")
-        extra[name.strip()] = target.strip()
-    return extra
 
 
 def _metrics_path(paths: ConfigPaths, rank: int, world_size: int) -> Path:
@@ -150,7 +139,7 @@ def run_config_dir(folder: str | os.PathLike[str]) -> int:
             target=_watchdog, args=(beat, stall_s, stop, lambda e: finish("hung", e), log_file), daemon=True
         ).start()
         log.info("config %s: workload %s (rank %d/%d)", paths.config_id, config.get("workload"), rank, world_size)
-        fn = resolve_workload(str(config.get("workload", "")), _extra_workloads())
+        fn = resolve_workload(str(config.get("workload", "")), extra_workloads())
         result = fn(config, paths)
     except BufreuseError as e:
         log.error("%s", e)

@@ -12,6 +12,10 @@ chosen by feature (``pretrain``'s signature), never by version:
   ``megatron.training.arguments.parse_args`` chains our arguments and
   ``megatron.training.training.setup_model_and_optimizer`` hooks the model chunks it returns.
 
+A megatron-core installed from its wheel ships the dataset helpers prebuilt (``helpers_cpp``) but not
+the ``Makefile`` that Megatron-LM's start-up ``make -C megatron/core/datasets`` needs (it exits the
+run when make fails); in exactly that case the wrapper skips the rebuild and says so.
+
 Either way the model is validated (:func:`bufreuse.config.validate` against its ``TransformerConfig``,
 seq length and micro-batch size from the args) and hooked (:func:`bufreuse.integrations.megatron.install`,
 one shared :class:`BufferPool`); everything is restored when the script returns. A config that cannot
@@ -171,6 +175,32 @@ def _patch_container_contract(session: Session) -> list[Any]:
     return undo
 
 
+def _prebuilt_helpers_patch() -> list[Any]:
+    """Skip ``compile_helpers`` when megatron-core has no Makefile but its helpers import (wheel install)."""
+    try:
+        import megatron.core.datasets.utils as du
+    except ImportError:
+        return []
+    orig = getattr(du, "compile_helpers", None)
+    if orig is None or (Path(du.__file__).parent / "Makefile").is_file():
+        return []
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401  (the prebuilt extension)
+    except ImportError:
+        return []  # neither a Makefile nor a built helper: let upstream report its own error
+
+    @functools.wraps(orig)
+    def compile_helpers() -> None:
+        print(
+            "bufreuse-megatron: megatron-core ships its dataset helpers prebuilt (helpers_cpp) and no Makefile "
+            "(wheel install); skipping Megatron-LM's make step",
+            flush=True,
+        )
+
+    du.compile_helpers = compile_helpers
+    return [lambda: setattr(du, "compile_helpers", orig)]
+
+
 def _split_own(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     own: dict[str, str] = {}
     rest: list[str] = []
@@ -203,6 +233,7 @@ def run(argv: list[str]) -> None:
         undo.append(lambda: setattr(mt, "pretrain", orig))
     else:
         undo += _patch_container_contract(session)
+    undo += _prebuilt_helpers_patch()
     old_argv = sys.argv
     sys.argv = [str(script), *rest]
     try:

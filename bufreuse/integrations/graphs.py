@@ -15,6 +15,10 @@ module calls it at the right points, for one or several pools at once:
       phases.before_eager()                       # eager producers wait for the replays (GPU side)
       step()
 
+  Warm up on the capture stream, or create the parameters' ``AccumulateGrad`` nodes there as
+  Megatron-LM's DDP set-up does: a node kept alive from an eager iteration on the default stream
+  makes the captured backward depend on that stream (``cudaErrorStreamCaptureImplicit`` on the H200).
+
 - :func:`patch_full_iteration`: wraps megatron-core's ``FullCudaGraphWrapper.__call__`` (the
   ``cuda_graph_impl="full_iteration"`` path of Megatron-LM's training loop) so that the capture
   call runs inside :meth:`GraphPhases.capture` on megatron's capture stream, replays are ordered

@@ -77,8 +77,17 @@ class LocalLauncher:
         return self._gpus
 
     def prepare(self, sweep: SweepDir, config_ids: Sequence[str]) -> None:
+        from bufreuse.bench.workloads import WORKLOADS, extra_workloads
+
+        known = {**WORKLOADS, **extra_workloads({**os.environ, **self.env})}
         for cid in config_ids:
             config = sweep.read_config(cid)
+            workload = str(config.get("workload", ""))
+            if workload not in known:
+                raise InputError(
+                    f"configuration {cid}: workload {workload!r} does not run locally; choose from "
+                    f"{', '.join(sorted(known))} (megatron runs with --launcher slurm)"
+                )
             if config.get("device", "cuda") != "cuda":
                 continue
             gpus = self._visible()
@@ -117,10 +126,8 @@ class LocalLauncher:
             proc = subprocess.Popen(
                 self._argv(paths, config), stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-            atomic_write_json(
-                paths.job,
-                {"launcher": "local", "pid": proc.pid, "host": socket.gethostname(), "started_at": started},
-            )
+            job = {"launcher": "local", "pid": proc.pid, "host": socket.gethostname(), "started_at": started}
+            atomic_write_json(paths.job, {**job, "pid_start": _pid_start(proc.pid)})
 
             def settle(status: str, error: str) -> None:
                 """Write the failure record unless the runner wrote its own metrics.json."""
@@ -187,16 +194,31 @@ def _live_pid(paths: ConfigPaths) -> int | None:
         job = read_json(paths.job)
     except (OSError, ValueError):
         return None
-    if job.get("launcher") != "local" or job.get("host") != socket.gethostname():
+    if not isinstance(job, dict) or job.get("launcher") != "local" or job.get("host") != socket.gethostname():
         return None
-    pid = int(job.get("pid", 0))
-    if pid <= 0:
+    pid = job.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return None
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
         return None
+    # A pid from an old job.json may belong to another process by now: never signal that one.
+    if job.get("pid_start") is not None and _pid_start(pid) != job["pid_start"]:
+        return None
     return pid
+
+
+def _pid_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (Linux ``/proc``; None elsewhere or if gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: count fields after the last ')'
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
 
 
 def _tail(path: Path, n: int = 400) -> str:
