@@ -46,7 +46,10 @@ def test_modes_give_identical_results(eager_sweep: SweepDir) -> None:
 def test_ring_has_no_pending_free_for_its_buffers(eager_sweep: SweepDir) -> None:
     control = eager_sweep.paths("slots0").read_metrics()
     by_cat = control["pending_free_by_category_at_max_active"]
-    assert by_cat.get("dispatch_output", 0) > 0 and by_cat.get("expert_output", 0) > 0, by_cat
+    # Which of the two buffers sits in the control's queue at its max-active point depends on when the
+    # allocator saw events complete (the H200 once showed 0 dispatch and 8 MiB expert bytes): require
+    # the hooked buffers as a whole to be queued, so the ring assertions below compare against a real queue.
+    assert by_cat.get("dispatch_output", 0) + by_cat.get("expert_output", 0) > 0, by_cat
     for cid in ("slots2", "slots4"):
         m = eager_sweep.paths(cid).read_metrics()
         cats = m["pending_free_by_category_at_max_active"]

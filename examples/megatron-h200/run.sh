@@ -13,7 +13,7 @@ COMMON=(
   --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
   --micro-batch-size 2 --global-batch-size 8 --train-iters 16 --lr 1e-4 --min-lr 1e-5
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32768
-  --transformer-impl local --no-gradient-accumulation-fusion --bf16 --no-masked-softmax-fusion
+  --transformer-impl local --no-gradient-accumulation-fusion --bf16 --no-masked-softmax-fusion --disable-bias-linear
   --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm
   --num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 1
   --log-interval 2 --log-throughput --eval-iters 0 --eval-interval 100000 --seed 1234
