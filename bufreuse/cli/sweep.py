@@ -228,7 +228,7 @@ def _run_with_progress(run_sweep: Any, spec: Any, launcher: str, options: dict[s
 
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=False,
+        console=err_console, transient=False, disable=not err_console.is_terminal,
     ) as bar:  # fmt: skip
         task = bar.add_task("sweep", total=None)
 
