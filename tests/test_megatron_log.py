@@ -162,3 +162,16 @@ def test_parse_truncated_log_never_reads_a_cut_number(cut: int) -> None:
         full = next(v for v in _FULL_VALUES if v[0] == r.iteration)
         assert r.elapsed_ms in (None, full[1]) and r.tflops in (None, full[2])
     assert {(m.rank, m.after_iterations, m.max_reserved_mib) for m in log.memory} <= _FULL_MEMORY
+
+
+def test_real_h200_megatron_lm_logs_parse_with_identical_losses() -> None:
+    """The real pretrain_gpt.py runs (examples/megatron-h200): rings train exactly like the control."""
+    from pathlib import Path
+
+    from bufreuse.analysis.megatron_log import parse_log
+
+    folder = Path(__file__).resolve().parent.parent / "examples" / "megatron-h200" / "h200-2026-12-02"
+    control, rings = (parse_log(folder / f"{n}.log") for n in ("control", "rings"))
+    assert [it.iteration for it in control.iterations] == [it.iteration for it in rings.iterations]
+    assert len(control.iterations) == 9  # iteration 1, then every 2nd (--log-interval 2)
+    assert [it.loss for it in control.iterations] == [it.loss for it in rings.iterations]
