@@ -131,15 +131,19 @@ def test_validate_lists_every_unmet_requirement_in_one_error() -> None:
     assert "unmet requirement" in msg
 
 
-def test_validate_stream_ordered_needs_no_bound_or_overlap() -> None:
+def test_validate_stream_ordered_needs_no_overlap_or_fp8_but_a_hybridep_bound() -> None:
     knobs = BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True,
         moe_bufreuse_dispatch_policy="stream-ordered",
         moe_hybridep_num_dispatch_output_buffers=0,
     )
-    cfg = _set(_hybridep_cfg(), fp8=None, overlap_moe_expert_parallel_comm=False, moe_expert_rank_capacity_factor=None)
+    cfg = _set(_hybridep_cfg(), fp8=None, overlap_moe_expert_parallel_comm=False)
     assert validate(cfg, knobs, features=FEATURES_ON).ok
     assert not check(cfg, knobs, features=FEATURES_OFF).ok  # still needs the DeepEP output_token API
+    # HybridEP writes into the caller's buffer, which must exist before the kernel runs: the bound is
+    # needed by stream-ordered too (install() refuses without it, and validate() now says so first).
+    unbounded = _set(cfg, moe_expert_rank_capacity_factor=None)
+    assert [i.key for i in check(unbounded, knobs, features=FEATURES_ON).unmet] == ["static_bound"]
 
 
 def test_validate_ring_needs_a_slot() -> None:
