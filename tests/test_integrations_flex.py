@@ -18,7 +18,6 @@ The router is bypassed with a fixed routing (it moves its weight to CUDA).
 
 from __future__ import annotations
 
-import socket
 import types
 
 import pytest
@@ -30,6 +29,7 @@ import inspect  # noqa: E402
 
 from fakes import deep_ep_hybrid as dep  # noqa: E402
 from fakes import te_grouped_linear as te  # noqa: E402
+from megatron_cpu import single_process_model_parallel  # noqa: E402
 
 from bufreuse.config import BufReuseConfig, static_bounds  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
@@ -43,20 +43,8 @@ TOKENS = SEQ * MBS  # 64 tokens; budget int(64 x 2 x 8) = 1024 rows = 4 experts 
 
 @pytest.fixture(scope="module")
 def parallel():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with single_process_model_parallel():
+        yield
 
 
 @pytest.fixture

@@ -10,12 +10,13 @@ placeholder for the duration of the module (restored after). The GPU suite runs 
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
+
+from megatron_cpu import single_process_model_parallel  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
@@ -29,24 +30,13 @@ TOKENS = SEQ * MBS
 
 @pytest.fixture(scope="module")
 def parallel():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    old = D.cuda_dtoh_stream
-    D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
-    yield
-    D.cuda_dtoh_stream = old
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with single_process_model_parallel():
+        old = D.cuda_dtoh_stream
+        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+        yield
+        D.cuda_dtoh_stream = old
 
 
 def _layer(num_experts: int, dispatcher: str = "alltoall"):

@@ -1,0 +1,28 @@
+"""Test helper: a one-process gloo group with megatron-core's model-parallel state, for CPU tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def single_process_model_parallel() -> Iterator[None]:
+    """Init a world-size-1 gloo group (if none exists) and TP = PP = 1 state; tear both down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
