@@ -1,13 +1,15 @@
-"""The toolkit's error hierarchy (the pool has its own, ``bufreuse.pool.BufferReuseError``).
+"""One error hierarchy for the whole project, rooted at :class:`BufreuseError`.
 
-Each error carries the exit code the CLI turns it into: 2 for bad input (a file, a label, an
-option), 1 for a check that ran and did not pass or a job that failed. Messages say what failed,
-where (file, job id, field) and what to do; the CLI prints them as one line.
+The pool's errors (:class:`bufreuse.pool.BufferReuseError` and its subclasses) are a branch of this
+tree, so callers can catch one type. Exceptions carry no exit codes: the boundaries (the CLI, the
+one-configuration runner, the Megatron entry wrapper) choose them with :func:`exit_code_for`. Messages
+say what failed, where (file, job id, field, ring/slot) and what to do; the CLI prints them as one line.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BackendContractError",
     "BufreuseError",
     "CheckFailedError",
     "ConfigError",
@@ -17,13 +19,12 @@ __all__ = [
     "OutputError",
     "SnapshotFormatError",
     "SubmissionError",
+    "exit_code_for",
 ]
 
 
 class BufreuseError(Exception):
-    """Base of every toolkit error; ``exit_code`` is what the CLI exits with."""
-
-    exit_code: int = 2
+    """Base of every error this project raises on purpose."""
 
 
 class InputError(BufreuseError):
@@ -52,16 +53,37 @@ class ConfigError(InputError):
 class SubmissionError(BufreuseError):
     """A job could not be submitted or tracked (sbatch failed, no scheduler reachable)."""
 
-    exit_code = 1
-
 
 class JobFailedError(BufreuseError):
     """A submitted or local run ended badly; the message carries job id, state and stderr tail."""
-
-    exit_code = 1
 
 
 class CheckFailedError(BufreuseError):
     """A check ran and did not pass (``compare --fail-on-regression``, ``check-config``)."""
 
-    exit_code = 1
+
+class BackendContractError(BufreuseError, RuntimeError):
+    """An outside backend (DeepEP, Transformer Engine, megatron-core) broke the contract we rely on.
+
+    Names the backend, the call and what it returned instead (``backend``, ``call``, ``got``), e.g.
+    Transformer Engine's ``GroupedLinear.forward(out=...)`` returning other storage than ``out``.
+    """
+
+    def __init__(self, backend: str, call: str, got: str, *, hint: str = "") -> None:
+        self.backend = backend
+        self.call = call
+        self.got = got
+        msg = f"{backend}: {call} {got}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The process exit code for ``exc`` at a boundary: 2 for bad input, 1 for a run that did not pass.
+
+    1: a check that ran and did not pass, a job that failed or could not be submitted, and runtime
+    failures (pool misuse, a backend contract breach: both are ``RuntimeError`` too). 2: everything else
+    the project raises (bad input: files, labels, options, configurations).
+    """
+    if isinstance(exc, (CheckFailedError, SubmissionError, JobFailedError, RuntimeError)):
+        return 1
+    return 2

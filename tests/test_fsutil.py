@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bufreuse.analysis.unpickle import load_pickle_file
-from bufreuse.errors import InputError, OutputError
+from bufreuse.errors import InputError, OutputError, exit_code_for
 from bufreuse.fsutil import atomic_write_json, atomic_writer, read_json
 from bufreuse.launch.base import write_failure_metrics
 from bufreuse.launch.megatron_collect import compress_rank0_snapshot
@@ -31,7 +31,7 @@ def test_atomic_write_into_a_file_raises_output_error(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match=r"taken/x\.json: cannot write here") as info:
         atomic_write_json(tmp_path / "taken" / "x.json", {})
     assert isinstance(info.value, InputError) and isinstance(info.value, OSError)
-    assert info.value.exit_code == 2
+    assert exit_code_for(info.value) == 2
 
 
 def test_atomic_write_onto_a_folder_raises_output_error(tmp_path: Path) -> None:

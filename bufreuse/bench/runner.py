@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bufreuse.bench.workloads import EXTRA_WORKLOADS_ENV, extra_workloads, resolve_workload
-from bufreuse.errors import BufreuseError
+from bufreuse.errors import BufreuseError, exit_code_for
 from bufreuse.fsutil import atomic_write_json, read_json
 from bufreuse.sweepdir import ConfigPaths, blank_metrics, utc_now
 
@@ -144,7 +144,7 @@ def run_config_dir(folder: str | os.PathLike[str]) -> int:
     except BufreuseError as e:
         log.error("%s", e)
         finish("failed", str(e))
-        return e.exit_code if e.exit_code == 2 else 1
+        return exit_code_for(e)
     except BaseException as e:  # a hung or crashed workload must still leave a metrics.json
         log.error("failed:\n%s", traceback.format_exc())
         finish("failed", f"{type(e).__name__}: {e}")

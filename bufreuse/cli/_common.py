@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 
-from bufreuse.errors import BufreuseError
+from bufreuse.errors import BufreuseError, exit_code_for
 
 __all__ = [
     "CliState",
@@ -72,7 +72,7 @@ def handle_errors(fn: F) -> F:
             if is_debug():
                 raise
             err_console.print(f"[bold red]error:[/] {_one_line(e)}", soft_wrap=True)
-            raise typer.Exit(e.exit_code) from None
+            raise typer.Exit(exit_code_for(e)) from None
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bufreuse.config import BufReuseConfig, add_arguments, tokens_per_microbatch, validate
-from bufreuse.errors import BufreuseError, ConfigError, InputError
+from bufreuse.errors import BufreuseError, ConfigError, InputError, exit_code_for
 
 __all__ = ["Session", "locate_script", "main"]
 
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         run(argv)
     except BufreuseError as e:
         print(f"bufreuse-megatron: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return e.exit_code
+        return exit_code_for(e)
     return 0
 
 

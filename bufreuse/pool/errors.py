@@ -1,10 +1,13 @@
 """The pool's error hierarchy: every misuse raises before any GPU work is enqueued.
 
-All errors derive from :class:`BufferReuseError` (a ``RuntimeError``), so integrations can catch one
-type. Messages name the ring, the slot, the generation and what to change.
+All errors derive from :class:`BufferReuseError` (a ``RuntimeError`` and a branch of the project's
+one root, :class:`bufreuse.errors.BufreuseError`), so integrations can catch one type. Messages name
+the ring, the slot, the generation and what to change.
 """
 
 from __future__ import annotations
+
+from bufreuse.errors import BufreuseError
 
 __all__ = [
     "BufferReuseError",
@@ -21,7 +24,7 @@ __all__ = [
 ]
 
 
-class BufferReuseError(RuntimeError):
+class BufferReuseError(BufreuseError, RuntimeError):
     """Base of every pool error."""
 
 
