@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import statistics
 from pathlib import Path
@@ -10,14 +11,11 @@ from typing import Any
 
 import pytest
 
-from bufreuse.analysis.compare import (
-    Bands,
-    bootstrap_median_diff,
-    compare_runs,
-    compare_specs,
-    summarise,
-)
-from bufreuse.analysis.runs import MIB, parse_slot_sizes, resolve_runs
+from bufreuse.analysis.runs.compare import compare_runs, compare_specs
+from bufreuse.analysis.runs.record import MIB, parse_slot_sizes
+from bufreuse.analysis.runs.resolve import resolve_runs
+from bufreuse.analysis.runs.stats import bootstrap_median_diff, summarise
+from bufreuse.analysis.runs.verdicts import Bands
 from bufreuse.errors import InputError, LogFormatError
 from bufreuse.sweepdir import SweepDir
 
@@ -154,6 +152,46 @@ def test_compare_seed_pair_without_bound_explains_only_with_slot_size(tmp_path: 
     assert "expert_fc2_output 4 × 539 MiB = +2156 MiB" in comp.explanation
 
 
+H200_PAIR = Path(__file__).resolve().parents[1] / "examples" / "megatron-h200" / "h200-2026-12-02"
+
+
+def _args_file(log: Path, dst: Path) -> Path:
+    """The arguments a Megatron log printed, as a ``check-config`` arguments file."""
+    from bufreuse.analysis.runs.megatron_log import parse_log
+
+    args = parse_log(log).args
+    dst.write_text("".join(f"--{k} {shlex.quote(v)}\n" for k, v in args.items() if v))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("log", "slots", "mib"),
+    [
+        (H200_PAIR / "rings.log", {"dispatch_output": 2, "expert_fc2_output": 2}, 8),  # all-to-all, dropless bound
+        (FEATURE_LOG, {"expert_fc2_output": 4}, 539),  # flex + HybridEP, rank capacity aligned to 256
+    ],
+)
+def test_compare_slot_size_from_megatron_args_is_the_check_config_bound(
+    tmp_path: Path, log: Path, slots: dict[str, int], mib: int
+) -> None:
+    from bufreuse.config import BUFFERS
+    from bufreuse.integrations.check_file import check_file
+
+    (run,) = resolve_runs([str(log)])
+    assert run.ring_slots == slots and run.ring_slot_bytes == dict.fromkeys(slots, mib * MIB)
+    report = check_file(_args_file(log, tmp_path / "args.txt"))
+    assert {BUFFERS[k]: b.slot_bytes for k, b in report.bounds.items()} == run.ring_slot_bytes
+    assert {BUFFERS[k]: b.slots for k, b in report.bounds.items()} == run.ring_slots
+
+
+def test_compare_h200_megatron_pair_allocated_growth_is_the_rings() -> None:
+    result = compare_specs([str(H200_PAIR / "control.log"), str(H200_PAIR / "rings.log")])
+    (comp,) = result.comparisons
+    assert comp.explained is True and comp.ring_bytes == 32 * MIB
+    assert "dispatch_output 2 × 8 MiB + expert_fc2_output 2 × 8 MiB = +32 MiB" in comp.explanation
+    assert "Megatron arguments (4096 rows × 1024 hidden × 2 B; dropless worst case" in comp.explanation
+
+
 def test_compare_seed_pair_wider_band_turns_throughput_into_parity() -> None:
     result = compare_specs([str(CONTROL_LOG), str(FEATURE_LOG)], bands=Bands(throughput_pct=1.5))
     assert result.comparisons[0].metric("tflops_mean").verdict == "parity"
@@ -254,7 +292,7 @@ def test_resolve_unfinished_config_in_feature_is_pending(tmp_path: Path) -> None
     pending = next(c for c in result.comparisons if c.label == "slots4")
     assert pending.status == "pending" and all(m.verdict == "n/a" for m in pending.metrics)
     assert [c.status for c in result.comparisons].count("ok") == 3
-    from bufreuse.analysis.compare_plot import memory_figure
+    from bufreuse.analysis.render.plots import memory_figure
 
     ax = memory_figure(result).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["slots0", "slots2", "slots10", "stream-ordered"]
@@ -356,12 +394,13 @@ def test_parse_slot_sizes_forms_and_errors() -> None:
 
 
 def test_compare_plots_write_three_pngs(tmp_path: Path) -> None:
-    from bufreuse.analysis.compare_plot import iteration_figure, write_comparison_plots
+    from bufreuse.analysis.render.plots import comparison_figures, iteration_figure
+    from bufreuse.cli._common import write_figures
 
     make_sweep(tmp_path)
     result = compare_specs(["control", "feature"], root=tmp_path)
     assert iteration_figure(result).axes[0].get_ylabel() == "ms per step"
-    paths = write_comparison_plots(result, tmp_path / "plots")
+    paths = write_figures(tmp_path / "plots", comparison_figures(result))
     assert [p.name for p in paths] == ["compare-memory.png", "compare-throughput.png", "compare-iterations.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     log_result = compare_specs([str(CONTROL_LOG), str(FEATURE_LOG)])
@@ -375,7 +414,7 @@ def test_compare_bare_snapshots_uses_snapshot_report_figures() -> None:
     assert comp.kind == "snapshot" and comp.label == "cuda_graph"
     keys = {m.metric for m in comp.metrics}
     assert keys == {"max_reserved_mib", "max_active_mib", "pending_free_mib"}
-    from bufreuse.analysis.snapshot_report import report_file
+    from bufreuse.analysis.snapshot.batch import report_file
 
     base, other = report_file(snaps / "record_stream.pickle.gz"), report_file(snaps / "cuda_graph.pickle.gz")
     for metric, key in (

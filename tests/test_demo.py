@@ -12,8 +12,8 @@ import pytest
 from test_compare import make_metrics, make_sweep
 from typer.testing import CliRunner
 
-from bufreuse.analysis.demo import find_sweeps, run_demo
 from bufreuse.cli import app
+from bufreuse.demo import find_sweeps, run_demo
 from bufreuse.errors import InputError
 
 runner = CliRunner()
@@ -132,7 +132,7 @@ def test_run_demo_on_real_examples(tmp_path: Path) -> None:
 def test_demo_and_compare_import_no_torch(tmp_path: Path) -> None:
     ex = _examples(tmp_path)
     code = (
-        "import sys; from bufreuse.analysis.demo import run_demo; "
+        "import sys; from bufreuse.demo import run_demo; "
         f"run_demo({str(ex)!r}, {str(tmp_path / 'o')!r}); "
         "assert 'torch' not in sys.modules, 'the demo imported torch'"
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bufreuse.analysis.unpickle import load_pickle_file
+from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.errors import InputError, OutputError, exit_code_for
 from bufreuse.fsutil import atomic_write_json, atomic_writer, read_json
 from bufreuse.launch.base import write_failure_metrics

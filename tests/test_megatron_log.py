@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bufreuse.analysis.megatron_log import expand_hostlist, parse_log, parse_log_text, steady_iterations
+from bufreuse.analysis.runs.megatron_log import expand_hostlist, parse_log, parse_log_text, steady_iterations
 from bufreuse.errors import LogFormatError
 
 LOGS = Path(__file__).parent / "data" / "logs"
@@ -168,7 +168,7 @@ def test_real_h200_megatron_lm_logs_parse_with_identical_losses() -> None:
     """The real pretrain_gpt.py runs (examples/megatron-h200): rings train exactly like the control."""
     from pathlib import Path
 
-    from bufreuse.analysis.megatron_log import parse_log
+    from bufreuse.analysis.runs.megatron_log import parse_log
 
     folder = Path(__file__).resolve().parent.parent / "examples" / "megatron-h200" / "h200-2026-12-02"
     control, rings = (parse_log(folder / f"{n}.log") for n in ("control", "rings"))

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from bufreuse.analysis.sweep_table import checksum_mismatches, load_sweep_rows, write_sweep_plots
+from bufreuse.analysis.render.plots import sweep_figures
+from bufreuse.analysis.runs.sweep_rows import checksum_mismatches, load_sweep_rows
+from bufreuse.cli._common import write_figures
 from bufreuse.launch.sweep import SweepSpec, run_sweep
 from bufreuse.sweepdir import SweepDir
 
@@ -34,7 +36,7 @@ def test_small_sweep_end_to_end_writes_every_file(eager_sweep: SweepDir) -> None
         assert m["max_reserved_bytes"] >= m["max_allocated_bytes"] > 0 and m["step_ms"]["median"] > 0
         assert m["env"]["gpu"] and m["env"]["cuda"] and m["tflops"] > 0
     rows = load_sweep_rows(eager_sweep.folder)
-    assert all(p.stat().st_size > 0 for p in write_sweep_plots(eager_sweep.folder, rows))
+    assert all(p.stat().st_size > 0 for p in write_figures(eager_sweep.folder, sweep_figures(rows)))
 
 
 def test_modes_give_identical_results(eager_sweep: SweepDir) -> None:

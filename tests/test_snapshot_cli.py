@@ -11,7 +11,7 @@ from pathlib import Path
 from snapshot_synth import Sim, write
 from typer.testing import CliRunner
 
-from bufreuse.analysis.snapshot_report import report_file
+from bufreuse.analysis.snapshot.batch import report_file
 from bufreuse.cli import app
 
 DATA = Path(__file__).parent / "data" / "snapshots"
@@ -131,7 +131,7 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 def test_combined_names_megatron_rank_files() -> None:
-    from bufreuse.analysis.snapshot_report import FileResult, combine
+    from bufreuse.analysis.snapshot.batch import FileResult, combine
 
     def res(name: str, peak: int) -> FileResult:
         return FileResult(file=f"/runs/{name}", report={"max_reserved_bytes": peak, "num_trace_events": 1})

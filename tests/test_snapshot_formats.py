@@ -11,7 +11,7 @@ from pathlib import Path
 
 from snapshot_synth import TORCH, USER, block, entry, frame, segment, write
 
-from bufreuse.analysis.snapshot_report import report_file
+from bufreuse.analysis.snapshot.batch import report_file
 
 MiB = 1 << 20
 DISPATCH = [TORCH, frame("/w/megatron/core/transformer/moe/token_dispatcher.py", "dispatch"), USER]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from bufreuse.analysis.snapshot import normalise
-from bufreuse.analysis.snapshot_report import ReportConfig, analyze
+from bufreuse.analysis.snapshot.load import normalise
+from bufreuse.analysis.snapshot.report import ReportConfig, analyze
 
 _spec = importlib.util.spec_from_file_location(
     "gen_big_snapshot", Path(__file__).parent.parent / "scripts" / "gen_big_snapshot.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bufreuse.analysis.snapshot_report import report_file
+from bufreuse.analysis.snapshot.batch import report_file
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "record_snapshots.py"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bufreuse.analysis.snapshot_report import report_file
+from bufreuse.analysis.snapshot.batch import report_file
 
 DATA = Path(__file__).parent / "data" / "snapshots"
 SIDECARS = sorted(DATA.glob("*.json"))

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from snapshot_synth import TORCH, USER, Sim, block, entry, frame, segment
 
-from bufreuse.analysis.replay import pending_blocks_at, replay
-from bufreuse.analysis.snapshot import normalise
-from bufreuse.analysis.snapshot_report import ReportConfig, analyze
-from bufreuse.analysis.snapshot_sites import SiteRules
+from bufreuse.analysis.snapshot.load import normalise
+from bufreuse.analysis.snapshot.replay import pending_blocks_at, replay
+from bufreuse.analysis.snapshot.report import ReportConfig, analyze
+from bufreuse.analysis.snapshot.sites import SiteRules
 
 MiB = 1 << 20
 

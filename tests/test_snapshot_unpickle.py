@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from snapshot_synth import Sim, write
 
-from bufreuse.analysis.snapshot import load_snapshot
-from bufreuse.analysis.unpickle import load_pickle_file
+from bufreuse.analysis.snapshot.load import load_snapshot
+from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.errors import SnapshotFormatError
 
 DATA = Path(__file__).parent / "data" / "snapshots"

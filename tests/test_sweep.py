@@ -81,7 +81,10 @@ def test_get_launcher_registry() -> None:
 
 
 def test_sweep_cpu_end_to_end_then_resume_and_force(tmp_path: Path) -> None:
-    from bufreuse.analysis.sweep_table import checksum_mismatches, load_sweep_rows, sweep_table, write_sweep_plots
+    from bufreuse.analysis.render.plots import sweep_figures
+    from bufreuse.analysis.render.sweep_tables import sweep_table
+    from bufreuse.analysis.runs.sweep_rows import checksum_mismatches, load_sweep_rows
+    from bufreuse.cli._common import write_figures
 
     events: list[tuple[str, str]] = []
     res = run_sweep(_spec(tmp_path), progress=lambda e: events.append((e.config_id, e.state)))
@@ -94,7 +97,7 @@ def test_sweep_cpu_end_to_end_then_resume_and_force(tmp_path: Path) -> None:
     assert not checksum_mismatches(rows) and rows[1].reserved_delta_bytes is None  # CPU: no CUDA memory figures
     assert rows[0].step_delta_pct == 0.0
     assert sweep_table(rows).row_count == 3
-    assert all(p.stat().st_size > 1000 for p in write_sweep_plots(res.folder, rows))
+    assert all(p.stat().st_size > 1000 for p in write_figures(res.folder, sweep_figures(rows)))
 
     again = run_sweep(_spec(tmp_path))
     assert again.ran == [] and again.skipped == res.config_ids

@@ -8,16 +8,10 @@ import pytest
 from matplotlib.figure import Figure
 from rich.console import Console
 
-from bufreuse.analysis.sweep_table import (
-    PLOT_FILES,
-    checksum_mismatches,
-    load_sweep_rows,
-    plot_reserved,
-    plot_step_time,
-    rows_from_metrics,
-    sweep_table,
-    write_sweep_plots,
-)
+from bufreuse.analysis.render.plots import SWEEP_PLOT_FILES, plot_reserved, plot_step_time, sweep_figures
+from bufreuse.analysis.render.sweep_tables import sweep_table
+from bufreuse.analysis.runs.sweep_rows import checksum_mismatches, load_sweep_rows, rows_from_metrics
+from bufreuse.cli._common import write_figures
 from bufreuse.fsutil import atomic_write_json
 from bufreuse.sweepdir import SweepDir
 
@@ -88,8 +82,8 @@ def test_plots_are_figures_with_series(tmp_path: Path) -> None:
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["control / ring", "stream-ordered", "control / ring (graph)"]
     assert isinstance(plot_step_time([]), Figure)  # nothing finished: an empty plot, no error
-    paths = write_sweep_plots(tmp_path, _rows())
-    assert [p.name for p in paths] == list(PLOT_FILES)
+    paths = write_figures(tmp_path, sweep_figures(_rows()))
+    assert [p.name for p in paths] == list(SWEEP_PLOT_FILES)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 

@@ -1,8 +1,12 @@
-"""bufreuse.analysis: allocator snapshots, Megatron logs, comparisons and plots (never imports torch).
+"""bufreuse.analysis: allocator snapshots, Megatron runs and their comparison, and rendering (no torch).
+
+- :mod:`.snapshot`: restricted unpickling, the snapshot schema, numpy columns, replay, sites, reports;
+- :mod:`.runs`: Megatron log parsing, run resolution, sweep rows, statistics, verdicts, comparisons;
+- :mod:`.render`: every rich table and matplotlib figure, from the data the other two return.
 
 Names are exported lazily (PEP 562): ``from bufreuse.analysis import report_file`` imports only the
-module that defines it, so a snapshot report never pays for pandas or matplotlib. To export a
-name, add one ``"name": "module"`` entry to ``_EXPORTS``.
+subpackage that defines it, so a snapshot report never pays for rich or matplotlib. To export a
+name, add one ``"name": "subpackage"`` entry to ``_EXPORTS``.
 """
 
 from __future__ import annotations
@@ -12,23 +16,30 @@ from typing import Any
 
 _EXPORTS: dict[str, str] = {
     # allocator snapshots
-    "SafeUnpickler": "unpickle",
-    "load_pickle_file": "unpickle",
+    "SafeUnpickler": "snapshot",
+    "load_pickle_file": "snapshot",
     "SnapshotData": "snapshot",
     "load_snapshot": "snapshot",
     "normalise": "snapshot",
-    "Replay": "replay",
-    "replay": "replay",
-    "pending_blocks_at": "replay",
-    "SiteRules": "snapshot_sites",
-    "BUILTIN_CATEGORIES": "snapshot_sites",
-    "ReportConfig": "snapshot_report",
-    "FileResult": "snapshot_report",
-    "report_file": "snapshot_report",
-    "report_files": "snapshot_report",
-    "combine": "snapshot_report",
-    "timeline_figure": "snapshot_plot",
-    "write_timeline_png": "snapshot_plot",
+    "Replay": "snapshot",
+    "replay": "snapshot",
+    "pending_blocks_at": "snapshot",
+    "SiteRules": "snapshot",
+    "BUILTIN_CATEGORIES": "snapshot",
+    "ReportConfig": "snapshot",
+    "FileResult": "snapshot",
+    "report_file": "snapshot",
+    "report_files": "snapshot",
+    "combine": "snapshot",
+    # runs and comparisons
+    "Bands": "runs",
+    "ComparisonResult": "runs",
+    "compare_runs": "runs",
+    "compare_specs": "runs",
+    "parse_log": "runs",
+    "resolve_runs": "runs",
+    # rendering
+    "timeline_figure": "render",
 }
 
 __all__ = sorted(_EXPORTS)

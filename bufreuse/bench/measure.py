@@ -129,7 +129,7 @@ def record_snapshot(
 
 def snapshot_figures(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Pending-free at max-active (total and by category) from the snapshot analysis (``analysis``)."""
-    from bufreuse.analysis.snapshot_report import report_file
+    from bufreuse.analysis.snapshot.batch import report_file
 
     report = report_file(str(path))
     return {

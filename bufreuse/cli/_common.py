@@ -6,8 +6,9 @@ import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -26,6 +27,7 @@ __all__ = [
     "progress_bar",
     "root_option",
     "set_debug",
+    "write_figures",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,3 +132,11 @@ def progress_bar(label: str, *, unit: str = "items", refresh_thread: bool = True
 
     with bar:
         yield tick
+
+
+def write_figures(folder: str | os.PathLike[str], figures: Mapping[str, Any]) -> list[Path]:
+    """Write ``{file name: matplotlib Figure}`` as PNGs into ``folder`` (atomically); returns the paths."""
+    from bufreuse.analysis.render.export import png_bytes
+    from bufreuse.fsutil import atomic_write_bytes
+
+    return [atomic_write_bytes(Path(folder) / name, png_bytes(fig)) for name, fig in figures.items()]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option
+from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option, write_figures
 
 __all__ = ["register"]
 
@@ -51,20 +51,23 @@ def compare(
     ] = False,
 ) -> None:
     """Compare runs against the first one: deltas, noise bands, verdicts, ring-storage explanation."""
-    from bufreuse.analysis.compare import Bands, compare_specs
-    from bufreuse.analysis.compare_table import comparison_json, comparison_renderable, write_comparison
-    from bufreuse.analysis.runs import parse_slot_sizes
+    from bufreuse.analysis.render.compare_tables import comparison_json, comparison_renderable
+    from bufreuse.analysis.render.export import csv_text
+    from bufreuse.analysis.runs.compare import compare_specs
+    from bufreuse.analysis.runs.record import parse_slot_sizes
+    from bufreuse.analysis.runs.verdicts import Bands
     from bufreuse.errors import CheckFailedError
+    from bufreuse.fsutil import atomic_write_text
 
     bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)
     sizes = parse_slot_sizes(slot_bytes, slot_mib)
     with err_console.status("reading runs (snapshots can take a while)"):
         result = compare_specs(runs, root=root, warmup=warmup, bands=bands, slot_bytes=sizes)
-    written = write_comparison(result, csv_path=csv_path) if csv_path else []
+    written = [atomic_write_text(csv_path, csv_text(result.to_rows()))] if csv_path else []
     if plot is not None:
-        from bufreuse.analysis.compare_plot import write_comparison_plots
+        from bufreuse.analysis.render.plots import comparison_figures
 
-        written += write_comparison_plots(result, plot)
+        written += write_figures(plot, comparison_figures(result))
     if json_out:
         typer.echo(comparison_json(result))
     else:

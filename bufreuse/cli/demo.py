@@ -1,4 +1,4 @@
-"""`bufreuse demo`: snapshot report, sweep table, compare and plots over the H200 recordings."""
+"""`bufreuse demo`: snapshot report, sweep table, compare and plots over the bundled recordings."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def demo(
     ] = False,
 ) -> None:
     """Run snapshot-report, the sweep table, compare control feature and the plots end to end."""
-    from bufreuse.analysis.demo import default_examples_dir, run_demo
+    from bufreuse.demo import default_examples_dir, run_demo
 
     source = _record_live(out) if live else (examples or default_examples_dir())
     with err_console.status("demo") as status:

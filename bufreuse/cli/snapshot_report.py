@@ -46,8 +46,7 @@ def snapshot_report(
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
-    from bufreuse.analysis.snapshot_report import ReportConfig, combine, report_files
-    from bufreuse.analysis.snapshot_sites import parse_category_options
+    from bufreuse.analysis.snapshot import ReportConfig, combine, parse_category_options, report_files
     from bufreuse.errors import InputError
 
     try:
@@ -77,20 +76,22 @@ def snapshot_report(
         if json_out:
             typer.echo(json.dumps(res.report, allow_nan=False, default=str))
         else:
-            from bufreuse.analysis.snapshot_table import file_renderable
+            from bufreuse.analysis.render.snapshot_tables import file_renderable
 
             console.print(file_renderable(res.report, top=top))
             console.print()
         if plot is not None and res.timeline is not None:
-            from bufreuse.analysis.snapshot_plot import write_timeline_png
+            from bufreuse.analysis.render.export import png_bytes
+            from bufreuse.analysis.render.plots import timeline_figure
+            from bufreuse.fsutil import atomic_write_bytes
 
             out = plot if len(results) == 1 else plot.with_name(f"{plot.stem}-{i}{plot.suffix or '.png'}")
-            write_timeline_png(res.timeline, out, title=res.file)
+            atomic_write_bytes(out, png_bytes(timeline_figure(res.timeline, title=res.file)))
             err_console.print(f"wrote {out}")
         elif plot is not None:
             err_console.print(f"[yellow]no plot for {res.file}: the snapshot has no trace[/]")
     if len(results) - failed > 1 and not json_out:  # a summary over one (or no) readable file says nothing
-        from bufreuse.analysis.snapshot_table import combined_table
+        from bufreuse.analysis.render.snapshot_tables import combined_table
 
         console.print(combined_table(combine(results)))
     if failed:

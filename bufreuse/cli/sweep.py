@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option
+from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option, write_figures
 from bufreuse.errors import CheckFailedError, InputError, JobFailedError
 
 __all__ = ["register"]
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
             int | None, typer.Option(help="Steps recorded into snapshot.pickle.gz (0: none).", rich_help_panel="Shape")
         ] = None,
         seed: Annotated[int | None, typer.Option(help="Data seed.", rich_help_panel="Shape")] = None,
-        # --- SLURM launcher options (helper D; bufreuse/cli/_slurm.py, docs/slurm.md) ---
+        # --- SLURM launcher options (bufreuse/cli/_slurm.py, docs/slurm.md) ---
         workload: Annotated[
             str | None, typer.Option(help="proxy (default), cpu-smoke (CPU-only launcher check) or megatron (SLURM).")
         ] = None,
@@ -137,7 +137,7 @@ def register(app: typer.Typer) -> None:
 
         Re-running the same command skips finished configurations (--force reruns them).
         """
-        if status_dir or cancel_dir:  # --status / --cancel DIR (helper D): nothing is run
+        if status_dir or cancel_dir:  # --status / --cancel DIR: nothing is run
             from bufreuse.cli import _slurm
 
             if cancel_dir:
@@ -145,7 +145,8 @@ def register(app: typer.Typer) -> None:
             else:
                 _slurm.show_status(status_dir, json_out=json_out)
             return
-        from bufreuse.analysis.sweep_table import checksum_mismatches, load_sweep_rows, sweep_table, write_sweep_plots
+        from bufreuse.analysis.render.sweep_tables import sweep_table
+        from bufreuse.analysis.runs.sweep_rows import checksum_mismatches, load_sweep_rows
         from bufreuse.launch.sweep import SweepSpec, parse_int_list, parse_str_list, run_sweep
 
         given = {
@@ -153,7 +154,7 @@ def register(app: typer.Typer) -> None:
             "dtype": dtype, "microbatches": microbatches, "steps": steps, "warmup_steps": warmup_steps,
             "record_steps": record_steps, "seed": seed, "comm_ms": comm_ms, "workload": workload,
         }  # fmt: skip
-        if workload == "cpu-smoke":  # helper D: the CPU-only check workload needs no GPU
+        if workload == "cpu-smoke":  # the CPU-only check workload needs no GPU
             given["device"] = "cpu"
         spec = SweepSpec(
             slots=parse_int_list(slots, "--slots"),
@@ -171,7 +172,7 @@ def register(app: typer.Typer) -> None:
         # Launcher-specific options (the SLURM launcher adds its own here).
         launcher_options: dict[str, Any] = {}
         runner: Any = launcher
-        if launcher == "slurm":  # helper D: build the SLURM launcher from the --slurm-* options
+        if launcher == "slurm":  # build the SLURM launcher from the --slurm-* options
             from bufreuse.cli import _slurm
 
             runner = _slurm.build_slurm_launcher(
@@ -195,7 +196,11 @@ def register(app: typer.Typer) -> None:
                 _slurm.watch_jobs(runner, result.folder, poll_s=slurm_poll)
 
         rows = load_sweep_rows(result.folder, result.config_ids)
-        plots = write_sweep_plots(result.folder, rows) if any(r.status == "ok" for r in rows) else []
+        plots = []
+        if any(r.status == "ok" for r in rows):
+            from bufreuse.analysis.render.plots import sweep_figures
+
+            plots = write_figures(result.folder, sweep_figures(rows))
         mismatched = checksum_mismatches(rows)
         if json_out:
             payload = {

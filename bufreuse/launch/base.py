@@ -3,7 +3,7 @@
 A launcher takes a prepared sweep folder (``bufreuse.sweepdir``: manifest + one ``config.json`` per
 configuration) and makes every named configuration end with a ``metrics.json`` in its folder. It
 never decides *what* to run (``bufreuse.launch.sweep`` builds the list) and never reads results
-beyond the status (``bufreuse.analysis.sweep_table`` does). Each configuration runs as
+beyond the status (``bufreuse.analysis.runs.sweep_rows`` does). Each configuration runs as
 ``python -m bufreuse.bench.runner CONFIG_DIR`` (:func:`runner_argv`) in a fresh process.
 
 Launchers register by name in :data:`LAUNCHERS` as ``"module:Class"`` strings, so naming one

@@ -3,7 +3,7 @@
 A Megatron configuration runs ``bufreuse.integrations.entry`` (not the one-configuration runner),
 so nothing inside the job writes ``metrics.json``. When the SLURM launcher sees such a job end, it
 calls :func:`megatron_metrics`: the training log (``log.txt``, written by the template through
-``tee``) gives step times, throughput and the memory reports (``bufreuse.analysis.megatron_log``),
+``tee``) gives step times, throughput and the memory reports (``bufreuse.analysis.runs.megatron_log``),
 and the rank-0 allocator snapshot that ``--memory-snapshot-path`` dumped is gzipped to
 ``snapshot.pickle.gz`` (the file name every other workload uses; a few seconds per GiB).
 """
@@ -58,7 +58,7 @@ def _stats(values: list[float]) -> dict[str, Any] | None:
 
 def megatron_metrics(paths: ConfigPaths, *, job_ok: bool, warmup: int = 3) -> tuple[str, str | None, dict[str, Any]]:
     """``(status, error, figures)`` for a Megatron job that ended; ``job_ok``: SLURM said COMPLETED."""
-    from bufreuse.analysis.megatron_log import parse_log, steady_iterations
+    from bufreuse.analysis.runs.megatron_log import parse_log, steady_iterations
 
     try:
         log = parse_log(paths.log)

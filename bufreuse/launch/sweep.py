@@ -124,7 +124,7 @@ class SweepSpec:
 
 @dataclass(kw_only=True, slots=True)
 class SweepResult:
-    """What a launch did; the results themselves are in the folder (``analysis.sweep_table``)."""
+    """What a launch did; the results themselves are in the folder (``analysis.runs.sweep_rows``)."""
 
     folder: str
     """The sweep folder."""

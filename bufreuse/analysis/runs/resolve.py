@@ -1,111 +1,40 @@
 """Resolve what the user named (labels, sweep folders, Megatron logs, snapshots) into run records.
 
-``compare`` works on :class:`RunRecord` only, whatever the run came from:
+``compare`` works on :class:`~.record.RunRecord` only, whatever the run came from:
 
 - a sweep configuration folder (``metrics.json`` from ``bufreuse sweep``), or a label inside the
   latest sweep under the sweeps root: ``control`` (``slots0``), ``feature`` (every other
   configuration with the same ``-graph`` suffix), or any configuration id (``slots4``,
   ``stream-ordered``); a whole sweep folder stands for all its configurations;
 - a Megatron run folder or log file (SLURM output), parsed by :mod:`.megatron_log`;
-- a bare allocator snapshot (``.pickle``/``.pickle.gz``), read by ``snapshot_report.report_file``.
+- a bare allocator snapshot (``.pickle``/``.pickle.gz``), read by
+  :func:`bufreuse.analysis.snapshot.report_file`.
 
 Ring sizes come from ``metrics.json`` (``ring_bytes``/``ring_slot_bytes``), from Megatron's
-printed arguments (slot counts, and a slot-size estimate from the static HybridEP bound), or
-from the caller (``--slot-bytes``). Reading costs one JSON file per configuration, one pass
-over each log, and a full snapshot load per bare snapshot.
+printed arguments (slot counts, and the slot size of the static bound that ``bufreuse.config``
+computes for ``check-config`` and ``install()`` too), or from the caller (``--slot-bytes``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bufreuse.analysis.megatron_log import expand_hostlist, parse_log, steady_iterations
-from bufreuse.errors import InputError, LogFormatError
+from bufreuse.analysis.runs.megatron_log import expand_hostlist, parse_log, steady_iterations
+from bufreuse.analysis.runs.record import MIB, RunRecord
+from bufreuse.config import BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch
+from bufreuse.errors import ConfigError, InputError, LogFormatError
 from bufreuse.fsutil import read_json
 from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
 
-__all__ = ["BUFFER_ALIASES", "RunRecord", "normalise_buffer", "parse_slot_sizes", "resolve_runs"]
+__all__ = ["resolve_runs"]
 
-MIB = 1 << 20
-BUFFER_ALIASES = {
-    "dispatch": "dispatch_output",
-    "dispatch_output": "dispatch_output",
-    "expert": "expert_fc2_output",
-    "expert_output": "expert_fc2_output",
-    "expert_fc2_output": "expert_fc2_output",
-}
+_CONFIG_NAMES = {"num_experts": "num_moe_experts"}
+"""Megatron arguments whose ``TransformerConfig`` field has another name (the bound reads the field)."""
 _SNAPSHOT_SUFFIXES = (".pickle", ".pickle.gz", ".pkl", ".pkl.gz")
 _LOG_SUFFIXES = (".out", ".log", ".txt", ".err")
-
-
-@dataclass(kw_only=True, slots=True)
-class RunRecord:
-    """One run, normalised: per-iteration samples where known, peaks in bytes, ring sizes."""
-
-    label: str
-    source: Path
-    kind: str
-    """``sweep`` (metrics.json), ``megatron`` (training log) or ``snapshot`` (allocator snapshot)."""
-    status: str = "ok"
-    tflops: list[float] = field(default_factory=list)
-    """Steady-state throughput per GPU, one value per logged iteration."""
-    tflops_value: float | None = None
-    """A single throughput figure when no per-iteration values exist (``metrics.json["tflops"]``)."""
-    step_ms: list[float] = field(default_factory=list)
-    max_allocated_bytes: int | None = None
-    max_reserved_bytes: int | None = None
-    max_active_bytes: int | None = None
-    """Snapshots only: peak of allocated plus pending-free blocks (what the allocator could not reuse)."""
-    device_used_bytes: int | None = None
-    pending_free_bytes: int | None = None
-    ring_slots: dict[str, int] = field(default_factory=dict)
-    ring_slot_bytes: dict[str, int] = field(default_factory=dict)
-    slot_bytes_source: str | None = None
-    node_list: list[str] | None = None
-    job_id: str | None = None
-    dropped: dict[str, int] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def ring_bytes(self) -> int | None:
-        """Persistent ring storage (slots × slot size summed over buffers), None if a size is unknown."""
-        total = 0
-        for name, slots in self.ring_slots.items():
-            if slots == 0:
-                continue
-            if name not in self.ring_slot_bytes:
-                return None
-            total += slots * self.ring_slot_bytes[name]
-        return total
-
-
-def normalise_buffer(name: str) -> str:
-    """Map a user-facing buffer name (``dispatch``, ``expert``) to the pool's buffer name."""
-    try:
-        return BUFFER_ALIASES[name.strip().lower()]
-    except KeyError:
-        raise InputError(f"unknown buffer {name!r}; use one of {', '.join(sorted(BUFFER_ALIASES))}") from None
-
-
-def parse_slot_sizes(slot_bytes: list[str] | None = None, slot_mib: list[str] | None = None) -> dict[str, int]:
-    """Parse ``BUF=BYTES`` / ``BUF=MIB`` options (a bare number applies to every ring buffer, key ``*``)."""
-    sizes: dict[str, int] = {}
-    for values, scale, option in ((slot_bytes or [], 1, "--slot-bytes"), (slot_mib or [], MIB, "--slot-mib")):
-        for item in values:
-            name, sep, number = item.rpartition("=")
-            try:
-                size = float(number)
-            except ValueError:
-                size = math.nan
-            if not math.isfinite(size) or size <= 0:
-                raise InputError(f"{option} {item!r}: expected BUF=SIZE or SIZE with SIZE > 0")
-            key = normalise_buffer(name) if sep else "*"
-            sizes[key] = round(size * scale)
-    return sizes
 
 
 def resolve_runs(specs: list[str], *, root: str | os.PathLike[str] | None = None, warmup: int = 3) -> list[RunRecord]:
@@ -263,7 +192,7 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
 
 
 def _from_snapshot(path: Path) -> RunRecord:
-    from bufreuse.analysis.snapshot_report import report_file
+    from bufreuse.analysis.snapshot.batch import report_file
 
     report = report_file(path)
     run = RunRecord(label=path.name.split(".")[0], source=path, kind="snapshot")
@@ -275,34 +204,64 @@ def _from_snapshot(path: Path) -> RunRecord:
 
 
 def _rings_from_args(args: dict[str, str], run: RunRecord) -> None:
-    """Slot counts from Megatron's printed arguments, and the slot size implied by the static bound."""
-    expert = _int_arg(args, "moe_hybridep_num_expert_output_buffers")
-    dispatch = _int_arg(args, "moe_hybridep_num_dispatch_output_buffers")
-    if expert:
-        run.ring_slots["expert_fc2_output"] = expert
-    if dispatch and args.get("moe_hybridep_reuse_dispatch_output_buffers", "").lower() == "true":
-        run.ring_slots["dispatch_output"] = dispatch
-    rows = _static_rows(args)
-    hidden = _int_arg(args, "hidden_size")
-    if run.ring_slots and rows and hidden:
-        element = 4 if "float32" in args.get("params_dtype", "") else 2
-        for name in run.ring_slots:
-            run.ring_slot_bytes[name] = rows * hidden * element
-        run.slot_bytes_source = f"Megatron arguments ({rows} rows × {hidden} hidden × {element} B)"
+    """Slot counts from Megatron's printed arguments, and the slot size of the static bound.
+
+    The bound is :func:`bufreuse.config.static_bounds`, the one ``check-config`` reports and
+    ``install()`` registers, so ``compare`` explains a run's allocated delta with the same bytes.
+    """
+    cfg = _typed_args(args)
+    try:
+        knobs = BufReuseConfig.from_mapping(cfg)
+    except ConfigError as e:
+        run.warnings.append(f"bufreuse arguments in the log: {e}")
+        return
+    for key, name in BUFFERS.items():
+        if knobs.slots(key):
+            run.ring_slots[name] = knobs.slots(key)
+    path = _dispatch_path(cfg)
+    if not run.ring_slots or path is None:
+        return
+    tokens = tokens_per_microbatch(cfg, seq_length=cfg.get("seq_length"), micro_batch_size=cfg.get("micro_batch_size"))
+    bounds = {BUFFERS[key]: b for key, b in static_bounds(cfg, knobs, path=path, tokens=tokens).items()}
+    sized = {name: b for name, b in bounds.items() if name in run.ring_slots and b.slot_bytes > 0}
+    if not sized:
+        return
+    for name, b in sized.items():
+        run.ring_slot_bytes[name] = b.slot_bytes
+    shapes = {(b.rows, b.hidden, b.element_size) for b in sized.values()}
+    if len(shapes) == 1:
+        rows, hidden, element = shapes.pop()
+        what = f"{rows} rows × {hidden} hidden × {element} B"
+    else:
+        what = "; ".join(f"{n} {b.rows} rows × {b.hidden} hidden × {b.element_size} B" for n, b in sized.items())
+    run.slot_bytes_source = f"Megatron arguments ({what}; {next(iter(sized.values())).source})"
 
 
-def _static_rows(args: dict[str, str]) -> int | None:
-    """Rows of the static HybridEP output bound with ``moe_expert_rank_capacity_factor``, else None."""
-    factor = _float_arg(args, "moe_expert_rank_capacity_factor")
-    seq, mbs, topk = (_int_arg(args, k) for k in ("seq_length", "micro_batch_size", "moe_router_topk"))
-    if not (factor and seq and mbs and topk):
-        return None
-    tokens = seq * mbs // max(1, _int_arg(args, "context_parallel_size") or 1)
-    if args.get("sequence_parallel") == "True":
-        tokens //= max(1, _int_arg(args, "tensor_model_parallel_size") or 1)
-    rows = int(tokens * topk * factor)
-    align = 256 if args.get("use_transformer_engine_op_fuser") == "True" else 16
-    return -(-rows // align) * align
+def _dispatch_path(cfg: dict[str, Any]) -> str | None:
+    """The dispatcher path whose static bound applies: ``alltoall``, ``hybridep`` (flex), or None."""
+    kind = cfg.get("moe_token_dispatcher_type")
+    if kind == "alltoall":
+        return "alltoall"
+    if kind == "flex" and cfg.get("moe_flex_dispatcher_backend") == "hybridep":
+        return "hybridep"
+    return None
+
+
+def _typed_args(args: dict[str, str]) -> dict[str, Any]:
+    """Megatron's printed ``name .... value`` strings as Python values, under TransformerConfig names."""
+    out: dict[str, Any] = {}
+    for name, text in args.items():
+        key = _CONFIG_NAMES.get(name, name)
+        value: Any = {"True": True, "False": False, "None": None}.get(text, text)
+        if isinstance(value, str):
+            for conv in (int, float):
+                try:
+                    value = conv(text)
+                    break
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
 
 
 def _job_nodes(job_json: Path, run: RunRecord) -> list[str] | None:
@@ -357,17 +316,3 @@ def _finite(v: Any) -> bool:
 
 def _int(v: Any) -> int | None:
     return int(v) if _finite(v) else None
-
-
-def _int_arg(args: dict[str, str], key: str) -> int | None:
-    try:
-        return int(args[key])
-    except (KeyError, ValueError):
-        return None
-
-
-def _float_arg(args: dict[str, str], key: str) -> float | None:
-    try:
-        return float(args[key])
-    except (KeyError, ValueError):
-        return None

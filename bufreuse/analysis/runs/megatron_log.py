@@ -15,7 +15,7 @@ The parser is robust to launcher prefixes (``0: ``, ``[default3]:``, timestamps)
 several ranks interleaved, a partial last line (a killed job), NaN/inf losses and skipped
 iterations. It trusts an iteration field only when its closing ``|`` was written, and drops
 memory reports from an unterminated last line, so a truncated number is never read as a
-value. One pass over the text, about 1 µs per line that matches nothing.
+value. One pass over the text.
 """
 
 from __future__ import annotations

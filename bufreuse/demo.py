@@ -1,19 +1,19 @@
-"""`bufreuse demo`: every analysis end to end over recorded sweeps, no GPU needed.
+"""The demo's orchestration: every analysis end to end over recorded sweeps, no GPU needed.
 
-For the recordings in ``examples/`` (sweep folders as written by ``bufreuse sweep`` on an H200)
-this runs, in order: a snapshot report of every allocator snapshot, the sweep table and its
+For the recordings in ``examples/`` (sweep folders as written by ``bufreuse sweep``) this runs,
+in order: a snapshot report of every allocator snapshot, the sweep table and its
 plots, and ``compare control feature`` with its plots, and writes everything as text, JSON, CSV
 and PNG into one output folder::
 
     <out>/snapshots.txt, snapshots.json            snapshot-report of every snapshot file
     <out>/snapshots/<file>.png                     its reserved / allocated / active timeline
-    <out>/<sweep>/sweep-table.{txt,json,csv}       analysis.sweep_table rows
+    <out>/<sweep>/sweep-table.{txt,json,csv}       analysis.runs.sweep_rows rows
     <out>/<sweep>/reserved_vs_slots.png, step_time_vs_slots.png
     <out>/<sweep>/compare.{txt,json,csv}, compare-{memory,throughput,iterations}.png
     <out>/summary.txt, summary.json                what the demo found, in a few lines
 
-Cost: dominated by the snapshot loads (about a second per MB of gzipped snapshot) and the
-plots (~0.1 s each). Imports no torch.
+The time goes into loading the snapshots and drawing the plots. Imports no torch. ``bufreuse demo``
+(:mod:`bufreuse.cli.demo`) prints the summary.
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-
-from bufreuse.analysis.compare import ComparisonResult, compare_specs
-from bufreuse.analysis.compare_plot import write_comparison_plots
-from bufreuse.analysis.compare_table import csv_text, renderable_text, write_comparison
-from bufreuse.analysis.runs import MIB
+from bufreuse.analysis.render.compare_tables import comparison_text
+from bufreuse.analysis.render.export import csv_text, png_bytes, renderable_text
+from bufreuse.analysis.render.plots import comparison_figures, sweep_figures, timeline_figure
+from bufreuse.analysis.render.snapshot_tables import file_renderable, snapshots_table
+from bufreuse.analysis.render.sweep_tables import sweep_table
+from bufreuse.analysis.runs.compare import ComparisonResult, compare_specs
+from bufreuse.analysis.runs.record import MIB
+from bufreuse.analysis.runs.sweep_rows import load_sweep_rows
+from bufreuse.analysis.snapshot.batch import analyze_file
+from bufreuse.analysis.snapshot.report import ReportConfig
 from bufreuse.errors import InputError
-from bufreuse.fsutil import atomic_write_json, atomic_write_text
+from bufreuse.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 from bufreuse.sweepdir import SweepDir
 
 __all__ = ["DEFAULT_DEMO_OUT", "DemoResult", "default_examples_dir", "find_sweeps", "run_demo"]
@@ -58,7 +62,7 @@ def default_examples_dir() -> Path:
     local = Path("examples")
     if local.is_dir() and any(local.rglob(SweepDir.MANIFEST)):
         return local
-    return Path(__file__).resolve().parents[2] / "examples"
+    return Path(__file__).resolve().parents[1] / "examples"
 
 
 def find_sweeps(folder: str | os.PathLike[str]) -> list[SweepDir]:
@@ -121,10 +125,6 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
     """``snapshot-report`` over every file: JSON reports, the report text, a timeline PNG per file."""
     if not paths:
         return [], []
-    from bufreuse.analysis.snapshot_plot import write_timeline_png
-    from bufreuse.analysis.snapshot_report import ReportConfig, analyze_file
-    from bufreuse.analysis.snapshot_table import file_renderable
-
     config = ReportConfig(timeline_points=600)
     reports: list[dict[str, Any]] = []
     renderables: list[Any] = []
@@ -140,8 +140,8 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
         renderables.append(file_renderable(report))
         if res.timeline is not None:
             png = out / "snapshots" / (_strip_snapshot_suffix(name).replace("/", "__") + ".png")
-            files.append(write_timeline_png(res.timeline, png, title=name))
-    text = renderable_text(_snapshot_table(reports)) + "".join(renderable_text(r) for r in renderables)
+            files.append(atomic_write_bytes(png, png_bytes(timeline_figure(res.timeline, title=name))))
+    text = renderable_text(snapshots_table(reports)) + "".join(renderable_text(r) for r in renderables)
     files.insert(0, atomic_write_json(out / "snapshots.json", reports))
     files.insert(1, atomic_write_text(out / "snapshots.txt", text))
     return reports, files
@@ -155,35 +155,14 @@ def _strip_snapshot_suffix(name: str) -> str:
     return name
 
 
-def _snapshot_table(reports: list[dict[str, Any]]) -> Table:
-    table = Table(title="allocator snapshots", title_justify="left")
-    for name in ("snapshot", "max reserved MiB", "max active MiB", "pending-free @max-active MiB", "by category"):
-        table.add_column(name, justify="left" if name in ("snapshot", "by category") else "right")
-    for r in reports:
-        if "error" in r:
-            table.add_row(r["file"], "—", "—", "—", f"unreadable: {r['error']}")
-            continue
-        cats = r.get("pending_free_by_category_at_max_active") or {}
-        table.add_row(
-            r["file"],
-            _mib(r.get("max_reserved_bytes")),
-            _mib(r.get("max_active_bytes")),
-            _mib(r.get("pending_free_at_max_active_bytes")),
-            ", ".join(f"{k} {_mib(v)}" for k, v in sorted(cats.items()) if v) or "—",
-        )
-    return table
-
-
 def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str]) -> list[Path]:
-    from bufreuse.analysis.sweep_table import load_sweep_rows, sweep_table, write_sweep_plots
-
     rows = load_sweep_rows(sweep.folder)
     dicts = [r.to_dict() for r in rows]
     files = [
         atomic_write_text(folder / "sweep-table.txt", renderable_text(sweep_table(rows, title=f"sweep {name}"))),
         atomic_write_json(folder / "sweep-table.json", dicts),
         atomic_write_text(folder / "sweep-table.csv", csv_text(dicts)),
-        *write_sweep_plots(folder, rows),
+        *(atomic_write_bytes(folder / file, png_bytes(fig)) for file, fig in sweep_figures(rows).items()),
     ]
     ok = [r for r in rows if r.status == "ok"]
     control = next((r for r in ok if r.mode == "control"), None)
@@ -208,13 +187,12 @@ def _compare_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str
     except InputError as e:
         summary.append(f"{name}: compare skipped: {e}")
         return []
-    files = write_comparison(
-        result,
-        csv_path=folder / "compare.csv",
-        json_path=folder / "compare.json",
-        text_path=folder / "compare.txt",
-    )
-    files += write_comparison_plots(result, folder)
+    files = [
+        atomic_write_text(folder / "compare.csv", csv_text(result.to_rows())),
+        atomic_write_json(folder / "compare.json", result.to_dict()),
+        atomic_write_text(folder / "compare.txt", comparison_text(result)),
+        *(atomic_write_bytes(folder / file, png_bytes(fig)) for file, fig in comparison_figures(result).items()),
+    ]
     for comp in result.comparisons:
         verdicts = ", ".join(
             f"{m.title} {m.delta_pct:+.1f}% {m.verdict}"

@@ -1,40 +1,21 @@
-"""A slot sweep's results as rows, a rich table and plots (no torch; reads only JSON).
+"""A slot sweep's results as rows: one :class:`SweepRow` per configuration, deltas against the controls.
 
 Rows come from each configuration's ``metrics.json`` (``bufreuse.sweepdir``). Deltas compare with
 the control of the same kind: ``slots0`` for eager configurations, ``slots0-graph`` for CUDA-graph
-ones. ``bufreuse sweep`` and ``bufreuse demo`` render the same rows.
+ones. ``bufreuse sweep`` and ``bufreuse demo`` render the same rows
+(:mod:`bufreuse.analysis.render.sweep_tables`, :mod:`bufreuse.analysis.render.sweep_plots`).
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from bufreuse.fsutil import atomic_write_bytes
 from bufreuse.sweepdir import SweepDir
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-    from rich.table import Table
-
-__all__ = [
-    "PLOT_FILES",
-    "SweepRow",
-    "checksum_mismatches",
-    "load_sweep_rows",
-    "plot_reserved",
-    "plot_step_time",
-    "rows_from_metrics",
-    "sweep_table",
-    "write_sweep_plots",
-]
-
-MIB = 1024 * 1024
-PLOT_FILES = ("reserved_vs_slots.png", "step_time_vs_slots.png")
+__all__ = ["SweepRow", "checksum_mismatches", "load_sweep_rows", "rows_from_metrics"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,95 +117,3 @@ def checksum_mismatches(rows: list[SweepRow]) -> dict[str, list[str]]:
         if r.status == "ok" and r.checksum is not None:
             groups.setdefault(r.checksum, []).append(r.config_id)
     return groups if len(groups) > 1 else {}
-
-
-def _mib(v: int | None, *, signed: bool = False) -> str:
-    if v is None:
-        return "—"
-    return f"{v / MIB:+,.0f}" if signed else f"{v / MIB:,.0f}"
-
-
-def sweep_table(rows: list[SweepRow], *, title: str | None = None) -> Table:
-    """A rich table: slots, mode, max reserved (+delta vs control), pending-free, step time (+delta %).
-
-    Compact enough for 80 columns; a ``status`` column appears only when some row is not ``ok``.
-    """
-    from rich.table import Table
-
-    show_status = any(r.status != "ok" for r in rows)
-    t = Table(title=title, title_justify="left")
-    columns = [("slots", "right"), ("mode", "left")] + ([("status", "left")] if show_status else [])
-    columns += [
-        ("reserved MiB", "right"), ("Δ vs control", "right"), ("alloc MiB", "right"),
-        ("pending-free MiB", "right"), ("step ms", "right"), ("Δ step", "right"),
-    ]  # fmt: skip
-    for name, justify in columns:
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for r in rows:
-        step = "—" if r.step_ms is None else f"{r.step_ms:.2f}"
-        delta = "—" if r.step_delta_pct is None else f"{r.step_delta_pct:+.1f}%"
-        cells = [str(r.slots), r.mode + (" +graph" if r.cuda_graph else "")]
-        if show_status:
-            cells.append(r.status if r.status == "ok" else f"[red]{r.status}[/]")
-        cells += [
-            _mib(r.max_reserved_bytes), _mib(r.reserved_delta_bytes, signed=True), _mib(r.max_allocated_bytes),
-            _mib(r.pending_free_bytes), step, delta,
-        ]  # fmt: skip
-        t.add_row(*cells)
-    return t
-
-
-def _series(rows: list[SweepRow], attr: str) -> dict[str, Any]:
-    ok = [r for r in rows if r.status == "ok" and getattr(r, attr) is not None]
-    out: dict[str, Any] = {}
-    for graph in sorted({r.cuda_graph for r in ok}):
-        sel = [r for r in ok if r.cuda_graph == graph]
-        tag = " (graph)" if graph else ""
-        pts = sorted((r.slots, getattr(r, attr)) for r in sel if r.mode in ("control", "ring"))
-        if pts:
-            out[f"control / ring{tag}"] = pts
-        for r in sel:
-            if r.mode == "stream-ordered":
-                out[f"stream-ordered{tag}"] = getattr(r, attr)
-    return out
-
-
-def _plot(rows: list[SweepRow], attr: str, ylabel: str, scale: float, title: str) -> Figure:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-    ax = fig.add_subplot()
-    for label, data in _series(rows, attr).items():
-        if isinstance(data, list):
-            xs, ys = zip(*data, strict=True)
-            ax.plot(xs, [y / scale for y in ys], marker="o", label=label)
-        else:
-            ax.axhline(data / scale, linestyle="--", color="tab:red" if "graph" not in label else "tab:purple",
-                       label=label)  # fmt: skip
-    ax.set_xlabel("slots per buffer (0 = control: record_stream)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    if ax.has_data():
-        ax.legend()
-    return fig
-
-
-def plot_reserved(rows: list[SweepRow]) -> Figure:
-    """Max reserved (MiB) against slots; stream-ordered as a dashed line."""
-    return _plot(rows, "max_reserved_bytes", "max reserved (MiB)", MIB, "Max reserved memory vs ring slots")
-
-
-def plot_step_time(rows: list[SweepRow]) -> Figure:
-    """Median step time (ms) against slots; stream-ordered as a dashed line."""
-    return _plot(rows, "step_ms", "median step time (ms)", 1.0, "Step time vs ring slots")
-
-
-def write_sweep_plots(folder: str | os.PathLike[str], rows: list[SweepRow]) -> list[Path]:
-    """Write both plots as PNG into ``folder`` (atomically) and return their paths."""
-    out = []
-    for name, fig in zip(PLOT_FILES, (plot_reserved(rows), plot_step_time(rows)), strict=True):
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        out.append(atomic_write_bytes(Path(folder) / name, buf.getvalue()))
-    return out

@@ -1,33 +1,23 @@
-"""Render a :class:`ComparisonResult`: a rich side-by-side table, plain text, CSV and JSON files.
+"""A comparison as rich tables (an overview, then one side-by-side table per run), plain text, JSON.
 
-Used by ``bufreuse compare`` (to the terminal) and ``bufreuse demo`` (to files); it only formats,
-the numbers come from :mod:`.compare`.
+``bufreuse compare`` prints these and ``bufreuse demo`` writes them; the numbers come from
+:mod:`bufreuse.analysis.runs.compare`, this module only formats them.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import os
-from pathlib import Path
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from bufreuse.analysis.compare import ComparisonResult, MetricDelta, RunComparison
-from bufreuse.fsutil import atomic_write_json, atomic_write_text
+from bufreuse.analysis.render.export import renderable_text
+from bufreuse.analysis.runs.compare import ComparisonResult, RunComparison
+from bufreuse.analysis.runs.verdicts import MetricDelta
 
-__all__ = [
-    "comparison_json",
-    "comparison_renderable",
-    "comparison_text",
-    "csv_text",
-    "renderable_text",
-    "write_comparison",
-]
+__all__ = ["comparison_json", "comparison_renderable", "comparison_text"]
 
 _STYLE = {"improvement": "green", "parity": "cyan", "regression": "bold red", "explained": "yellow", "n/a": "dim"}
 
@@ -153,41 +143,6 @@ def comparison_renderable(result: ComparisonResult) -> Group:
 def comparison_text(result: ComparisonResult, *, width: int = 160) -> str:
     """The rendered table as plain text (no colour), e.g. for a report file."""
     return renderable_text(comparison_renderable(result), width=width)
-
-
-def renderable_text(renderable: Any, *, width: int = 160) -> str:
-    """Any rich renderable (table, group) as plain text without colour, for a ``.txt`` file."""
-    console = Console(file=io.StringIO(), width=width, record=True, color_system=None, highlight=False)
-    console.print(renderable)
-    return console.export_text()
-
-
-def csv_text(rows: list[dict[str, Any]]) -> str:
-    """Rows of one shape as CSV text (header from the first row's keys); empty for no rows."""
-    buf = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-    return buf.getvalue()
-
-
-def write_comparison(
-    result: ComparisonResult,
-    *,
-    csv_path: str | os.PathLike[str] | None = None,
-    json_path: str | os.PathLike[str] | None = None,
-    text_path: str | os.PathLike[str] | None = None,
-) -> list[Path]:
-    """Write whichever of the CSV, JSON and text forms are asked for, atomically; returns the paths."""
-    written = []
-    if csv_path is not None:
-        written.append(atomic_write_text(csv_path, csv_text(result.to_rows())))
-    if json_path is not None:
-        written.append(atomic_write_json(json_path, result.to_dict()))
-    if text_path is not None:
-        written.append(atomic_write_text(text_path, comparison_text(result)))
-    return written
 
 
 def comparison_json(result: ComparisonResult) -> str:

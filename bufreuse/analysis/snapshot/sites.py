@@ -1,7 +1,7 @@
 """Name where a block was allocated (its site) and which buffer it is (its category), from frames.
 
 Only the frames of a block's ``alloc`` entry are used (never those of its free), and only for the
-few blocks a report names, so the cost is per named block (~2 µs), not per event.
+few blocks a report names, so the cost grows with the named blocks, not with the events.
 
 - site: the N-th "user" frame, ``path:line:function`` with the path cut to its last two parts;
   frames from torch, the standard library, ``<frozen ...>`` and ``bufreuse/pool`` are skipped

@@ -1,56 +1,27 @@
-"""The snapshot report: the figures that decide whether buffer rings help, per file and combined.
+"""The snapshot report of one loaded snapshot: the figures that decide whether buffer rings help.
 
-``report_file(path)`` returns exactly the JSON object ``bufreuse snapshot-report --json`` prints
-for that file: peak reserved (and when), peak active (allocated + pending free) and the
-pending-free queue at that point grouped by allocation site, size and stream, the final state by
-block state, fragmentation, per-stream and per-pool totals, OOMs and warnings.
-
-Cost on a 1,000,000-event, 140 MB snapshot (2-core machine): ~0.8 s to load with the cyclic GC
-paused (objects from a pickle form no garbage), ~0.5 s to normalise, ~0.2 s to replay; sites are
-read only for the blocks in the pending-free queue at the max-active point.
+:func:`analyze` returns exactly the JSON object ``bufreuse snapshot-report --json`` prints for a
+file: peak reserved (and when), peak active (allocated + pending free) and the pending-free queue
+at that point grouped by allocation site, size and stream, the final state by block state,
+fragmentation, per-stream and per-pool totals, OOMs and warnings. Sites are read only for the
+blocks in the pending-free queue at the max-active point, because frames are the expensive part.
+Reading files (one or several, in worker processes) is :mod:`.batch`.
 """
 
 from __future__ import annotations
 
-import gc
-import multiprocessing
-import os
-import re
-import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from bufreuse.analysis.replay import Replay, pending_blocks_at, replay
-from bufreuse.analysis.snapshot import ALLOC, OOM, EventTable, FinalState, SnapshotData, load_snapshot
-from bufreuse.analysis.snapshot_sites import BEFORE_TRACE_SITE, SiteRules
-from bufreuse.analysis.unpickle import ProgressFn
-from bufreuse.errors import SnapshotFormatError
+from bufreuse.analysis.snapshot.load import EventTable, FinalState, SnapshotData
+from bufreuse.analysis.snapshot.replay import Replay, pending_blocks_at, replay
+from bufreuse.analysis.snapshot.schema import ALLOC, OOM
+from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, SiteRules
 
-__all__ = [
-    "COMBINED_FIGURES",
-    "FileResult",
-    "ReportConfig",
-    "Timeline",
-    "analyze",
-    "analyze_file",
-    "combine",
-    "report_file",
-    "report_files",
-]
-
-COMBINED_FIGURES = (
-    "max_reserved_bytes",
-    "max_active_bytes",
-    "pending_free_at_max_active_bytes",
-    "final_reserved_bytes",
-    "num_trace_events",
-    "frees_without_alloc",
-)
+__all__ = ["ReportConfig", "Timeline", "analyze"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,85 +52,6 @@ class Timeline:
     active: np.ndarray
     max_active_x: float
     max_active_bytes: int
-
-
-@dataclass(kw_only=True, slots=True)
-class FileResult:
-    file: str
-    report: dict[str, Any] | None = None
-    error: str | None = None
-    timeline: Timeline | None = None
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC: loading makes millions of acyclic objects that it would scan ~10 times."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def report_file(
-    path: str | os.PathLike[str], *, categories: dict[str, str] | None = None, config: ReportConfig | None = None
-) -> dict[str, Any]:
-    """The ``--json`` object for one file; raises ``SnapshotFormatError`` on bad input."""
-    config = config or ReportConfig()
-    if categories:
-        config = ReportConfig(
-            categories={**config.categories, **categories}, site_frame=config.site_frame, site_skip=config.site_skip
-        )
-    with _gc_paused():
-        return analyze(load_snapshot(path), config)[0]
-
-
-def analyze_file(
-    path: str, config: ReportConfig, progress: ProgressFn | None = None, *, raise_errors: bool = False
-) -> FileResult:
-    """Report one file, turning bad input into ``FileResult.error`` (one line naming the file).
-
-    ``raise_errors=True`` lets the ``SnapshotFormatError`` propagate instead (``--debug``).
-    """
-    try:
-        with _gc_paused():
-            report, timeline = analyze(load_snapshot(path, progress=progress), config)
-        return FileResult(file=str(path), report=report, timeline=timeline)
-    except SnapshotFormatError as e:
-        if raise_errors:
-            raise
-        return FileResult(file=str(path), error=" ".join(str(e).split()))
-
-
-def report_files(
-    paths: Sequence[str],
-    config: ReportConfig,
-    *,
-    progress: ProgressFn | None = None,
-    on_file_done: Callable[[FileResult], None] | None = None,
-    workers: int | None = None,
-    raise_errors: bool = False,
-) -> list[FileResult]:
-    """Report several files (one process per file when more than one), results in input order."""
-    if len(paths) == 1:
-        res = [analyze_file(paths[0], config, progress, raise_errors=raise_errors)]
-        if on_file_done:
-            on_file_done(res[0])
-        return res
-    results: dict[int, FileResult] = {}
-    n = workers or min(len(paths), os.cpu_count() or 1)
-    # fork: workers inherit the loaded modules (no re-import, no re-run of a ``__main__``); callers
-    # must not have threads running when this forks (the CLI's multi-file progress bar has none)
-    ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-    with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-        futs = {pool.submit(analyze_file, p, config, raise_errors=raise_errors): i for i, p in enumerate(paths)}
-        for fut in as_completed(futs):
-            results[futs[fut]] = fut.result()
-            if on_file_done:
-                on_file_done(results[futs[fut]])
-    return [results[i] for i in range(len(paths))]
 
 
 def analyze(data: SnapshotData, config: ReportConfig) -> tuple[dict[str, Any], Timeline | None]:
@@ -355,26 +247,3 @@ def _timeline(t: EventTable, r: Replay, points: int) -> Timeline | None:
         max_active_x=float(ia_x),
         max_active_bytes=r.max_active,
     )
-
-
-_RANK = re.compile(r"rank[_-]?(\d+)|_(\d+)(?:\.[A-Za-z0-9]+)+$")  # snap_rank3.pickle, P_base_3.pickle.gz
-
-
-def combine(results: Sequence[FileResult]) -> dict[str, Any]:
-    """Min / median / max of each figure over the files that reported, naming the worst file (rank)."""
-    ok = [r for r in results if r.report is not None]
-    figures: dict[str, Any] = {}
-    for name in COMBINED_FIGURES:
-        vals = [(r.report[name], r.file) for r in ok if isinstance(r.report.get(name), int)]  # type: ignore[union-attr]
-        if not vals:
-            continue
-        worst = max(vals, key=lambda v: v[0])
-        m = _RANK.search(os.path.basename(worst[1]))
-        figures[name] = {
-            "min": min(v for v, _ in vals),
-            "median": statistics.median(v for v, _ in vals),
-            "max": worst[0],
-            "worst_file": worst[1],
-            "worst_rank": int(m.group(1) or m.group(2)) if m else None,
-        }
-    return {"files": len(results), "reported": len(ok), "failed": len(results) - len(ok), "figures": figures}

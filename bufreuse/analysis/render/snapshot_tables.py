@@ -1,4 +1,8 @@
-"""Rich tables for snapshot reports: one per file, and the combined one over several files (ranks)."""
+"""Snapshot report tables: one per file (with the pending-free queue), combined over ranks, overview.
+
+Each function takes the report dicts of :mod:`bufreuse.analysis.snapshot` and returns a rich
+renderable; the CLI prints it, the demo writes it as text.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-__all__ = ["combined_table", "file_renderable", "fmt_bytes"]
+__all__ = ["combined_table", "file_renderable", "fmt_bytes", "snapshots_table"]
 
 _MiB = 1 << 20
 
@@ -111,3 +115,27 @@ def combined_table(combined: dict[str, Any], labels: Sequence[str] = ()) -> Tabl
         worst = f"rank {f['worst_rank']}" if f["worst_rank"] is not None else os.path.basename(f["worst_file"])
         t.add_row(name.removesuffix("_bytes").replace("_", " "), fmt(f["min"]), fmt(f["median"]), fmt(f["max"]), worst)
     return t
+
+
+def snapshots_table(reports: list[dict[str, Any]]) -> Table:
+    """One row per snapshot: max reserved, max active, pending-free there and its categories (MiB)."""
+    table = Table(title="allocator snapshots", title_justify="left")
+    for name in ("snapshot", "max reserved MiB", "max active MiB", "pending-free @max-active MiB", "by category"):
+        table.add_column(name, justify="left" if name in ("snapshot", "by category") else "right")
+    for r in reports:
+        if "error" in r:
+            table.add_row(r["file"], "—", "—", "—", f"unreadable: {r['error']}")
+            continue
+        cats = r.get("pending_free_by_category_at_max_active") or {}
+        table.add_row(
+            r["file"],
+            _mib(r.get("max_reserved_bytes")),
+            _mib(r.get("max_active_bytes")),
+            _mib(r.get("pending_free_at_max_active_bytes")),
+            ", ".join(f"{k} {_mib(v)}" for k, v in sorted(cats.items()) if v) or "—",
+        )
+    return table
+
+
+def _mib(v: Any) -> str:
+    return f"{v / _MiB:,.0f}" if isinstance(v, int | float) else "—"

@@ -1,19 +1,9 @@
-"""The allocator snapshot schema, written once, and its normalisation into numpy columns.
+"""Load one snapshot file and normalise it into numpy columns (the schema is in :mod:`.schema`).
 
-Accepted formats (all plain pickled data, loaded with :mod:`bufreuse.analysis.unpickle`):
-
-- ``{"segments": [...], "device_traces": [[...], ...]}`` from ``torch.cuda.memory._snapshot()``,
-  torch 2.0 → 2.13. Optional keys are ignored when absent: ``time_us`` (2.1+), ``requested_size``
-  (2.1+; else ``size``), ``allocator_settings`` / ``external_annotations`` (2.6+),
-  ``compile_context`` / ``user_metadata`` (2.5+), ``pool_id`` / ``segment_pool_id``, blocks'
-  ``history`` (2.0) instead of ``frames``, ``is_expandable`` and ``segment_map`` / ``segment_unmap``
-  (2.1+), and actions this code does not know (``user_defined`` annotations, say): counted, skipped.
-- The legacy list of segments from ``torch.cuda.memory_snapshot()`` (torch 1.13 → today): final
-  state only, no trace.
-
-Normalising reads each trace entry once through C-level ``map(dict.get, ...)`` passes into int64
-columns (~0.15 s per million entries); frames stay in the loaded lists and are read later only for
-the handful of blocks a report names.
+Each trace entry is read once, through C-level ``map(dict.get, ...)`` passes into int64 columns,
+because a per-entry Python loop would dominate the report. Frames stay in the loaded lists and are
+read later only for the handful of blocks a report names. Every malformed field is a
+``SnapshotFormatError`` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -22,95 +12,17 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any
 
 import numpy as np
 
-from bufreuse.analysis.unpickle import ProgressFn, load_pickle_file
+from bufreuse.analysis.snapshot.schema import ACTIONS, ANNOTATION_ACTIONS, BLOCK_STATES, OTHER, STATE_ALIASES
+from bufreuse.analysis.snapshot.unpickle import ProgressFn, load_pickle_file
 from bufreuse.errors import SnapshotFormatError
 
-__all__ = [
-    "ACTIONS",
-    "ANNOTATION_ACTIONS",
-    "BLOCK_STATES",
-    "Block",
-    "EventTable",
-    "FinalState",
-    "Frame",
-    "Segment",
-    "Snapshot",
-    "SnapshotData",
-    "TraceEntry",
-    "load_snapshot",
-    "normalise",
-]
+__all__ = ["EventTable", "FinalState", "SnapshotData", "load_snapshot", "normalise"]
 
-
-class Frame(TypedDict):
-    filename: str
-    line: int
-    name: str
-
-
-class Block(TypedDict):
-    size: int
-    requested_size: NotRequired[int]  # torch >= 2.1; the requested (unrounded) bytes
-    address: NotRequired[int]
-    state: Literal["active_allocated", "active_pending_free", "active_awaiting_free", "inactive"]
-    frames: NotRequired[list[Frame]]
-    history: NotRequired[list[dict[str, Any]]]  # torch 2.0: [{addr, real_size, frames}]
-
-
-class Segment(TypedDict):
-    address: int
-    total_size: int
-    stream: int
-    segment_type: Literal["small", "large"]
-    blocks: list[Block]
-    device: NotRequired[int]
-    allocated_size: NotRequired[int]
-    active_size: NotRequired[int]
-    requested_size: NotRequired[int]
-    segment_pool_id: NotRequired[tuple[int, int]]  # (0, 0) default pool; else CUDA graph / MemPool
-    is_expandable: NotRequired[bool]
-
-
-class TraceEntry(TypedDict):
-    action: str  # one of ACTIONS (unknown ones are skipped)
-    addr: NotRequired[int]  # absent on "oom"
-    size: int  # requested bytes (alloc/free) or segment bytes (segment_*)
-    stream: int
-    frames: NotRequired[list[Frame]]
-    time_us: NotRequired[int]
-    device_free: NotRequired[int]  # "oom" only: bytes the driver reported free
-    pool_id: NotRequired[tuple[int, int]]
-
-
-class Snapshot(TypedDict):
-    segments: list[Segment]
-    device_traces: list[list[TraceEntry]]
-    allocator_settings: NotRequired[dict[str, Any]]
-    external_annotations: NotRequired[list[Any]]
-
-
-ACTIONS = (
-    "alloc",
-    "free_requested",
-    "free_completed",
-    "segment_alloc",
-    "segment_free",
-    "segment_map",
-    "segment_unmap",
-    "snapshot",
-    "oom",
-)
-ANNOTATION_ACTIONS = frozenset({"user_defined", "annotation"})
-"""Trace entries that mark a point in time (no memory change); skipped without a warning."""
-ALLOC, FREE_REQ, FREE_DONE, SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP, SNAP, OOM = range(9)
-OTHER = 9
 _CODE = {a: i for i, a in enumerate(ACTIONS)}
-BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
-_STATE_ALIASES = {"active_awaiting_free": "active_pending_free"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,7 +133,7 @@ def _final_state(segments: list[Any], path: str) -> dict[int, FinalState]:
             req = b.get("requested_size", size)
             req = _nonneg_int(req, f"{where}.requested_size", path)
             state = b.get("state")
-            state = _STATE_ALIASES.get(state, state)
+            state = STATE_ALIASES.get(state, state)
             if state not in fs.state_bytes:
                 raise SnapshotFormatError(f"{path}: {where}.state is {state!r}, expected one of {BLOCK_STATES}")
             fs.state_bytes[state] += size

@@ -1,7 +1,7 @@
 """Replay a trace's columns into reserved / allocated / pending-free bytes after every event.
 
-All three series are linear in the events, so each is a baseline plus a cumulative sum
-(~10 ms per million events). The baselines are reconstructed from the final state: what the
+All three series are linear in the events, so each is a baseline plus a cumulative sum (vectorised,
+no per-event Python). The baselines are reconstructed from the final state: what the
 segments and blocks hold at dump time minus the trace's net change. That makes memory that
 existed before recording started (weights, say) count, and keeps the figures right when the
 recording ring buffer dropped the oldest entries (frees whose alloc is gone).
@@ -22,17 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bufreuse.analysis.snapshot import (
-    ALLOC,
-    FREE_DONE,
-    FREE_REQ,
-    SEG_ALLOC,
-    SEG_FREE,
-    SEG_MAP,
-    SEG_UNMAP,
-    EventTable,
-    FinalState,
-)
+from bufreuse.analysis.snapshot.load import EventTable, FinalState
+from bufreuse.analysis.snapshot.schema import ALLOC, FREE_DONE, FREE_REQ, SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP
 
 __all__ = ["PendingBlock", "Replay", "pending_blocks_at", "replay"]
 

@@ -1,0 +1,188 @@
+"""Compare runs against a baseline, as data: one :class:`RunComparison` per run, every metric judged.
+
+The first run is the baseline. Each metric gets its delta and verdict (:mod:`.verdicts`), the
+medians a bootstrap 95% CI of their difference (:mod:`.stats`), and the allocated delta its
+ring-storage explanation. Tables and plots of the result are :mod:`bufreuse.analysis.render`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bufreuse.analysis.runs.record import RunRecord
+from bufreuse.analysis.runs.resolve import resolve_runs
+from bufreuse.analysis.runs.stats import bootstrap_median_diff, metric_values, run_stats
+from bufreuse.analysis.runs.verdicts import Bands, MetricDelta, explain_allocated, join_notes, judge, node_sets
+from bufreuse.errors import InputError
+
+__all__ = ["ComparisonResult", "RunComparison", "compare_runs", "compare_specs"]
+
+
+@dataclass(kw_only=True, slots=True)
+class RunComparison:
+    """Every metric of one run against the baseline, with caveats and the ring explanation."""
+
+    label: str
+    source: str
+    kind: str
+    status: str
+    metrics: list[MetricDelta] = field(default_factory=list)
+    node_sets: str = "unknown"
+    """``same``, ``differ`` or ``unknown``."""
+    caveats: list[str] = field(default_factory=list)
+    ring_bytes: int | None = None
+    explanation: str | None = None
+    explained: bool | None = None
+    """True when ring storage accounts for the allocated delta within the memory band."""
+
+    def metric(self, name: str) -> MetricDelta:
+        return next(m for m in self.metrics if m.metric == name)
+
+
+@dataclass(kw_only=True, slots=True)
+class ComparisonResult:
+    """The baseline's statistics, one :class:`RunComparison` per other run, and the bands used."""
+
+    baseline: str
+    bands: Bands
+    warmup: int
+    runs: list[RunRecord]
+    stats: dict[str, dict[str, Any]]
+    comparisons: list[RunComparison]
+
+    @property
+    def regressions(self) -> list[tuple[str, str]]:
+        """(run label, metric) for every metric that regressed beyond its band."""
+        return [(c.label, m.metric) for c in self.comparisons for m in c.metrics if m.verdict == "regression"]
+
+    @property
+    def failing(self) -> list[tuple[str, str]]:
+        """The :attr:`regressions` that fail the gate: all but those explained by ring storage."""
+        return [(c.label, m.metric) for c in self.comparisons for m in c.metrics if m.fails_gate]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: NaN never appears (None instead)."""
+        return _clean(
+            {
+                "baseline": self.baseline,
+                "bands": asdict(self.bands),
+                "warmup": self.warmup,
+                "runs": {r.label: {"source": str(r.source), "kind": r.kind, **self.stats[r.label]} for r in self.runs},
+                "comparisons": [asdict(c) for c in self.comparisons],
+                "regressions": [{"run": r, "metric": m} for r, m in self.regressions],
+                "failing": [{"run": r, "metric": m} for r, m in self.failing],
+            }
+        )
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One flat row per (run, metric), for CSV."""
+        rows = []
+        for c in self.comparisons:
+            for m in c.metrics:
+                row = {"run": c.label, "baseline_run": self.baseline, **asdict(m), "node_sets": c.node_sets}
+                rows.append(_clean(row))
+        return rows
+
+
+def compare_runs(
+    runs: list[RunRecord],
+    *,
+    bands: Bands | None = None,
+    slot_bytes: dict[str, int] | None = None,
+    warmup: int = 3,
+    seed: int = 0,
+) -> ComparisonResult:
+    """Compare ``runs[1:]`` against ``runs[0]``; ``slot_bytes`` ({buffer: bytes}, ``"*"`` = every
+    buffer) overrides slot sizes for the ring-storage explanation."""
+    if len(runs) < 2:
+        raise InputError(f"compare needs a baseline and at least one other run, got {len(runs)}")
+    bands = bands or Bands()
+    for run in runs:
+        _apply_slot_bytes(run, slot_bytes or {})
+    base = runs[0]
+    if base.status != "ok":
+        raise InputError(f"baseline {base.label} did not finish ok (status {base.status})")
+    stats = {r.label: run_stats(r) for r in runs}
+    comparisons = [_compare_one(base, run, stats, bands, seed) for run in runs[1:]]
+    return ComparisonResult(
+        baseline=base.label, bands=bands, warmup=warmup, runs=runs, stats=stats, comparisons=comparisons
+    )
+
+
+def compare_specs(
+    specs: list[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    warmup: int = 3,
+    bands: Bands | None = None,
+    slot_bytes: dict[str, int] | None = None,
+) -> ComparisonResult:
+    """Resolve ``specs`` (labels, folders, logs, snapshots) and compare them, the first as baseline."""
+    runs = resolve_runs(specs, root=root, warmup=warmup)
+    return compare_runs(runs, bands=bands, slot_bytes=slot_bytes, warmup=warmup)
+
+
+def _apply_slot_bytes(run: RunRecord, slot_bytes: dict[str, int]) -> None:
+    if not slot_bytes:
+        return
+    for name in run.ring_slots:
+        size = slot_bytes.get(name, slot_bytes.get("*"))
+        if size is not None:
+            run.ring_slot_bytes[name] = int(size)
+            run.slot_bytes_source = "given slot size"
+
+
+_TITLES = {
+    "tflops_mean": ("throughput mean", "TFLOP/s/GPU", "higher"),
+    "tflops_median": ("throughput median", "TFLOP/s/GPU", "higher"),
+    "tflops": ("throughput (reported)", "TFLOP/s/GPU", "higher"),
+    "step_ms_mean": ("step time mean", "ms", "lower"),
+    "step_ms_median": ("step time median", "ms", "lower"),
+    "max_allocated_mib": ("peak allocated", "MiB", "lower"),
+    "max_reserved_mib": ("peak reserved", "MiB", "lower"),
+    "max_active_mib": ("peak active (allocated + pending-free)", "MiB", "lower"),
+    "device_used_mib": ("device used", "MiB", "lower"),
+    "pending_free_mib": ("pending-free at max active", "MiB", "lower"),
+}
+
+
+def _compare_one(
+    base: RunRecord, run: RunRecord, stats: dict[str, dict[str, Any]], bands: Bands, seed: int
+) -> RunComparison:
+    comp = RunComparison(label=run.label, source=str(run.source), kind=run.kind, status=run.status)
+    comp.caveats.extend(f"{run.label}: {w}" for w in run.warnings)
+    comp.node_sets, caveat = node_sets(base, run)
+    if caveat:
+        comp.caveats.append(caveat)
+    bv, rv = metric_values(stats[base.label]), metric_values(stats[run.label])
+    for key, (title, unit, better) in _TITLES.items():
+        if bv[key] is None and rv[key] is None:
+            continue
+        m = MetricDelta(metric=key, title=title, unit=unit, better=better, baseline=bv[key], value=rv[key])
+        if run.status == "ok" and m.baseline is not None and m.value is not None:
+            judge(m, bands, differ=comp.node_sets == "differ")
+            if key in ("tflops_median", "step_ms_median"):
+                series = "tflops" if key == "tflops_median" else "step_ms"
+                ci = bootstrap_median_diff(getattr(base, series), getattr(run, series), seed=seed)
+                if ci is not None:
+                    m.ci_low, m.ci_high = ci
+                    if ci[0] <= 0 <= ci[1]:
+                        m.note = join_notes(m.note, "95% CI of the median difference includes 0")
+        comp.metrics.append(m)
+    comp.ring_bytes = run.ring_bytes
+    allocated = next((x for x in comp.metrics if x.metric == "max_allocated_mib"), None)
+    comp.explanation, comp.explained = explain_allocated(base, run, allocated, bands)
+    return comp
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
