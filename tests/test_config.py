@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from bufreuse.config import BufReuseConfig, add_arguments, load_megatron_file, static_bounds, validate
+from bufreuse.config import BufReuseConfig, add_arguments, load_megatron_file, static_bounds
 from bufreuse.errors import ConfigError, InputError
 from bufreuse.integrations.features import Features
-from bufreuse.integrations.requirements import REQUIREMENTS, check
+from bufreuse.integrations.requirements import REQUIREMENTS, check, validate
 
 FEATURES_ON = Features(deepep_output_token=True, deepep_detail="fake", te_grouped_output=True, te_detail="fake")
 FEATURES_OFF = Features(deepep_output_token=False, deepep_detail="absent", te_grouped_output=False, te_detail="absent")

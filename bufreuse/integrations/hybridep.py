@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from bufreuse.errors import ConfigError
-from bufreuse.integrations.alltoall import acquire_with_hint
+from bufreuse.errors import BackendContractError, ConfigError
+from bufreuse.integrations.core import DISPATCH, acquire_with_hint
 from bufreuse.integrations.features import deepep_output_token
 from bufreuse.pool import BufferPool
 
@@ -66,16 +66,19 @@ class OutputTokenInjector:
 def dispatch_with_output_token(buffer: Any, output_token: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
     """Call ``buffer.dispatch_with_permute(output_token=..., **kwargs)``; its output must be that tensor.
 
-    Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
-    never by version) and ``RuntimeError`` when the backend returned other storage than it was given.
+        Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
+        never by version) and :class:`~bufreuse.errors.BackendContractError` when the backend returned
+    other storage than it was given.
     """
     require_output_token(type(buffer))
     result = buffer.dispatch_with_permute(output_token=output_token, **kwargs)
     dispatched = result[0]
     if dispatched.data_ptr() != output_token.data_ptr():
-        raise RuntimeError(
-            "HybridEP dispatch_with_permute ignored output_token (returned other storage); "
-            "the ring slot would hold stale data"
+        raise BackendContractError(
+            "HybridEP",
+            "dispatch_with_permute",
+            "ignored output_token (returned other storage)",
+            hint="the ring slot would hold stale data",
         )
     return result
 
@@ -88,6 +91,6 @@ def dispatch_into_pool(
     Returns ``(dispatch result, acquired tensor)``; release the tensor after the experts (FP8/FP4
     expert GEMMs save a quantized copy, so the forward is its final reader).
     """
-    slot = acquire_with_hint(pool, "dispatch_output", (int(num_permuted_tokens), hidden.shape[-1]))
+    slot = acquire_with_hint(pool, DISPATCH, (int(num_permuted_tokens), hidden.shape[-1]))
     result = dispatch_with_output_token(buffer, slot, hidden=hidden, num_permuted_tokens=num_permuted_tokens, **kwargs)
     return result, slot
