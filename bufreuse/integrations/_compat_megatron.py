@@ -24,6 +24,7 @@ __all__ = [
     "dtoh_and_synchronize",
     "full_cuda_graph_wrapper",
     "hybridep_manager_cls",
+    "megatron_core_version",
     "pad_for_quantization",
     "patch_bulk_offload",
     "patch_hybrid_ep_buffer",
@@ -119,14 +120,18 @@ def _resolve(module: str, attr: str) -> Any:
     return obj
 
 
+def megatron_core_version() -> str:
+    """The importable megatron-core's version (``package_info``), ``unknown`` when it has none."""
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return "unknown"
+    return str(getattr(package_info, "__version__", "unknown"))
+
+
 def contract_problems(contract: tuple[Assumption, ...] = CONTRACT) -> list[str]:
     """Check every assumption against the importable megatron-core; one line per broken one."""
-    try:
-        from importlib.metadata import version
-
-        ver = version("megatron-core")
-    except Exception:  # a source checkout has no distribution metadata
-        ver = "unknown"
+    ver = megatron_core_version()
     problems = []
     for a in contract:
         where = f"megatron-core {ver}: {a.module}.{a.attr} (used by {a.used_by})"

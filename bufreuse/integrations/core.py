@@ -190,9 +190,12 @@ def shared_patch(undo: Callable[[], None]) -> None:
     _SHARED_UNDO.append(undo)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Installation:
-    """What ``install`` replaced; ``uninstall()`` puts it back (idempotent). Also a context manager."""
+    """What ``install`` replaced; ``uninstall()`` puts it back (idempotent). Also a context manager.
+
+    Compared by identity: two installations on one pool are still two.
+    """
 
     pool: BufferPool
     knobs: BufReuseConfig
