@@ -17,7 +17,7 @@ module calls it at the right points, for one or several pools at once:
 
   Warm up on the capture stream, or create the parameters' ``AccumulateGrad`` nodes there as
   Megatron-LM's DDP set-up does: a node kept alive from an eager iteration on the default stream
-  makes the captured backward depend on that stream (``cudaErrorStreamCaptureImplicit`` on the H200).
+  makes the captured backward depend on that stream (``cudaErrorStreamCaptureImplicit``; docs/megatron.md).
 
 - :func:`patch_full_iteration`: wraps megatron-core's ``FullCudaGraphWrapper.__call__`` (the
   ``cuda_graph_impl="full_iteration"`` path of Megatron-LM's training loop) so that the capture

@@ -1,10 +1,9 @@
-"""HybridEP (DeepEP hybrid-ep) adapter: hand a ring slot to ``dispatch_with_permute(output_token=)``.
+"""DeepEP HybridEP helpers: hand a ring slot to ``HybridEPBuffer.dispatch_with_permute(output_token=)``.
 
-Upstream ``HybridEPBuffer.dispatch_with_permute`` allocates its output itself (no ``output_token``
-in deepseek-ai/DeepEP@098da2a6dee107028535a5776248891d6e376918, hybrid-ep branch); the seed's
-draft adds exactly that keyword. This adapter fails early, naming the missing API, when the
-installed DeepEP lacks it, and checks that the kernel really wrote into the slot it was given.
-Only fakes exercise it here: no DeepEP with HybridEP installs from PyPI (see docs/megatron.md).
+Upstream HybridEP allocates its dispatch output itself; ``output_token`` is the keyword that lets
+the caller supply it (docs/megatron.md says which DeepEP has it). These helpers fail early, naming
+the missing API, when the installed DeepEP lacks it, and check that the kernel really wrote into
+the slot it was given. The layer hooks using them are :mod:`bufreuse.integrations.adapters.hybridep`.
 """
 
 from __future__ import annotations
