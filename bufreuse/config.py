@@ -1,10 +1,11 @@
 """The feature's knobs, where they come from (YAML, argparse) and what they cost in memory.
 
-Three knobs are named exactly as the Megatron-LM draft PR names them; two more (per-buffer policy)
-are ours so users can pick ``ring`` / ``stream-ordered`` / ``record-stream`` by measurement.
-The requirement matrix and ``validate()`` against a megatron-core ``TransformerConfig`` live in
-:mod:`bufreuse.integrations.requirements` (re-exported here). Neither module imports torch or megatron at
-import time, so ``bufreuse check-config`` starts fast and works without megatron installed.
+The one place the static bound of each buffer is computed: ``check-config``, ``install()``,
+``compare`` and the planner all call :func:`static_bounds`. Three knobs are named exactly as the
+Megatron-LM draft PR names them; two more (per-buffer policy) are ours so users can pick ``ring`` /
+``stream-ordered`` / ``record-stream`` by measurement. The requirement matrix and ``validate()``
+live in :mod:`bufreuse.integrations.requirements`. This module imports neither torch nor
+megatron-core, and nothing of bufreuse but :mod:`bufreuse.errors`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ __all__ = [
     "BufReuseConfig",
     "BufferBound",
     "add_arguments",
-    "check",
+    "dispatch_path",
+    "dispatch_rows",
     "load_megatron_file",
+    "persistent_bytes",
     "static_bounds",
     "tokens_per_microbatch",
-    "validate",
 ]
 
 POLICIES = ("ring", "stream-ordered", "record-stream")
@@ -272,6 +274,16 @@ def _quant_alignment(cfg: Any) -> int:
     return 0
 
 
+def dispatch_path(cfg: Any) -> str | None:
+    """``hybridep`` (flex + hybridep backend), ``alltoall`` (NCCL all-to-all) or None (unsupported)."""
+    kind = _get(cfg, "moe_token_dispatcher_type", "allgather")
+    if kind == "alltoall":
+        return "alltoall"
+    if kind == "flex" and _get(cfg, "moe_flex_dispatcher_backend", None) == "hybridep":
+        return "hybridep"
+    return None
+
+
 def dispatch_rows(cfg: Any, path: str, tokens: int) -> tuple[int, str]:
     """Static row bound of the dispatch output on ``path`` (``hybridep`` or ``alltoall``)."""
     topk = int(_get(cfg, "moe_router_topk", 2) or 2)
@@ -312,29 +324,6 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
     return out
 
 
-def check(
-    cfg: Any,
-    knobs: BufReuseConfig,
-    *,
-    seq_length: int | None = None,
-    micro_batch_size: int | None = None,
-    features: Any = None,
-) -> Any:
-    """Evaluate the requirement matrix (never raises on unmet rows); see ``bufreuse.integrations.requirements``."""
-    from bufreuse.integrations.requirements import check as _check
-
-    return _check(cfg, knobs, seq_length=seq_length, micro_batch_size=micro_batch_size, features=features)
-
-
-def validate(
-    cfg: Any,
-    knobs: BufReuseConfig,
-    *,
-    seq_length: int | None = None,
-    micro_batch_size: int | None = None,
-    features: Any = None,
-) -> Any:
-    """Check at start-up against a ``TransformerConfig``; raise ONE ``ConfigError`` listing every unmet row."""
-    from bufreuse.integrations.requirements import validate as _validate
-
-    return _validate(cfg, knobs, seq_length=seq_length, micro_batch_size=micro_batch_size, features=features)
+def persistent_bytes(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None) -> int:
+    """Bytes the enabled rings hold for the whole run (sum of :attr:`BufferBound.persistent_bytes`)."""
+    return sum(b.persistent_bytes for b in static_bounds(cfg, knobs, path=path, tokens=tokens).values())

@@ -18,10 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from bufreuse.config import BufReuseConfig, add_arguments, load_megatron_file, static_bounds, validate
+from bufreuse.config import (
+    BufReuseConfig,
+    add_arguments,
+    dispatch_path,
+    load_megatron_file,
+    persistent_bytes,
+    static_bounds,
+)
 from bufreuse.errors import ConfigError, InputError
 from bufreuse.integrations.features import Features
-from bufreuse.integrations.requirements import REQUIREMENTS, check
+from bufreuse.integrations.requirements import REQUIREMENTS, check, validate
 
 FEATURES_ON = Features(deepep_output_token=True, deepep_detail="fake", te_grouped_output=True, te_detail="fake")
 FEATURES_OFF = Features(deepep_output_token=False, deepep_detail="absent", te_grouped_output=False, te_detail="absent")
@@ -164,6 +171,29 @@ def test_static_bound_pad_to_capacity_and_dropless_worst_case() -> None:
     assert static_bounds(cfg, BOTH_ON, path="alltoall", tokens=1000)["dispatch"].rows == 8 * 313
     dropless = static_bounds(_alltoall_cfg(), BOTH_ON, path="alltoall", tokens=1000)["dispatch"]
     assert dropless.rows == 1 * 1000 * 2 and dropless.persistent_bytes == 4 * 2000 * 64 * 2
+
+
+def test_persistent_bytes_is_the_sum_of_the_ring_bounds() -> None:
+    bounds = static_bounds(_hybridep_cfg(), BOTH_ON, path="hybridep", tokens=1000)
+    total = persistent_bytes(_hybridep_cfg(), BOTH_ON, path="hybridep", tokens=1000)
+    assert total == sum(b.persistent_bytes for b in bounds.values()) == 2 * 4 * 3072 * 64 * 2
+    assert persistent_bytes(_hybridep_cfg(), BOTH_ON, path="hybridep", tokens=None) == 0
+
+
+def test_dispatch_path_from_config_fields() -> None:
+    assert dispatch_path({"moe_token_dispatcher_type": "alltoall"}) == "alltoall"
+    assert dispatch_path({"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep"}) == "hybridep"
+    assert dispatch_path({"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "deepep"}) is None
+    assert dispatch_path({}) is None
+
+
+def test_config_module_imports_only_the_standard_library_and_errors() -> None:
+    code = (
+        "import sys, bufreuse.config; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('torch', 'megatron', 'bufreuse.integrations'))); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_knobs_reject_bad_policy_and_counts() -> None:

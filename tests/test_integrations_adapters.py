@@ -15,7 +15,7 @@ import torch
 from fakes import deep_ep_hybrid as dep
 from fakes import te_grouped_linear as te
 
-from bufreuse.errors import ConfigError
+from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.features import deepep_output_token, te_grouped_output
 from bufreuse.integrations.hybridep import dispatch_into_pool, dispatch_with_output_token
 from bufreuse.integrations.te import grouped_linear_into, output_buffer_op_kwargs
@@ -90,11 +90,12 @@ def test_hybridep_adapter_fails_early_without_output_token() -> None:
     with pytest.raises(ConfigError, match="output_token"):
         dispatch_into_pool(pool, dep.HybridEPBufferUpstream(None, 0, 0, 0), hidden=hidden, num_permuted_tokens=BOUND,
                            routing_map=routing)  # fmt: skip
-    with pytest.raises(RuntimeError, match="ignored output_token"):
+    with pytest.raises(BackendContractError, match="ignored output_token") as err:
         dispatch_with_output_token(
             dep.HybridEPBufferIgnoringOutput(None, 0, 0, 0), torch.empty(BOUND, HIDDEN), hidden=hidden,
             num_permuted_tokens=BOUND, routing_map=routing,
         )  # fmt: skip
+    assert (err.value.backend, err.value.call) == ("HybridEP", "dispatch_with_permute")
 
 
 def test_te_module_out_receives_the_slot() -> None:

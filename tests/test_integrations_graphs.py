@@ -197,8 +197,9 @@ def cpu_layer():
 def test_install_wraps_full_iteration_wrapper_and_uninstall_restores(cpu_layer) -> None:
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
-    from bufreuse.config import BufReuseConfig, validate
+    from bufreuse.config import BufReuseConfig
     from bufreuse.integrations.megatron import install
+    from bufreuse.integrations.requirements import validate
 
     knobs = BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True,

@@ -20,8 +20,10 @@ from megatron_cpu import single_process_model_parallel  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
-from bufreuse.integrations.alltoall import Held, RingAllToAll, acquire_with_hint  # noqa: E402
-from bufreuse.integrations.megatron import _skip_ring_forced_release, install  # noqa: E402
+from bufreuse.integrations._compat_megatron import skip_ring_forced_release  # noqa: E402
+from bufreuse.integrations.alltoall import RingAllToAll  # noqa: E402
+from bufreuse.integrations.core import Held, acquire_with_hint  # noqa: E402
+from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError, StaticShapeError  # noqa: E402
 
 HIDDEN, SEQ, MBS = 32, 8, 2
@@ -193,7 +195,7 @@ def test_offload_forced_release_filters_ring_storage() -> None:
     pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(4, 8), dtype=torch.float32)
     slot, plain = pool.acquire("dispatch_output"), torch.zeros(4, 8)
     seen = []
-    wrapped = _skip_ring_forced_release(pool.is_ring_storage)(lambda self, *a, **k: seen.append((a, k)))
+    wrapped = skip_ring_forced_release(pool.is_ring_storage)(lambda self, *a, **k: seen.append((a, k)))
     wrapped(None, "fused_group_mlp", [slot, plain])  # 0.19 signature (name, tensors)
     wrapped(None, [slot, plain])  # 0.16 signature (tensors)
     wrapped(None, "expert_fc1", forced_released_tensors=[slot, plain])

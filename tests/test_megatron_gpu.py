@@ -321,8 +321,8 @@ def test_full_iteration_graph_megatron_wrapper_replays_match_eager(graphable_rng
     """megatron-core's FullCudaGraphWrapper (patched by install) captures one iteration; replays and eager match."""
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader, get_shared_capture_stream
 
-    from bufreuse.config import validate
     from bufreuse.integrations.graphs import GraphPhases
+    from bufreuse.integrations.requirements import validate
     from bufreuse.pool import Phase
 
     layer = _pad_layer()

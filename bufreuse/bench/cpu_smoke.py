@@ -1,8 +1,8 @@
 """``cpu-smoke``: a tiny CPU-only workload that proves a launcher really ran a configuration.
 
 It exists for the SLURM tests and for trying a launcher on a machine without a GPU: it does a
-little real work (``iterations`` rounds of SHA-256 chained over a seed-derived buffer, ~1 ms per
-1000 rounds), records where it ran (host, SLURM job id and node list from the environment) and
+little real work (``iterations`` rounds of SHA-256 chained over a seed-derived buffer), records
+where it ran (host, SLURM job id and node list from the environment) and
 returns metrics in the sweep contract's shape with the GPU figures set to None. Like the proxy's, its
 checksum depends on the seed and the work, not on the slot count, so every configuration of a sweep
 agrees. ``fail: true`` in the configuration makes it raise :class:`CpuSmokeFailure` after the work,

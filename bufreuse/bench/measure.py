@@ -1,6 +1,6 @@
 """Timing, memory and snapshot measurements shared by the proxy workload and the benchmark.
 
-Timing and snapshot recording are separate passes: recording Python stacks costs a few µs per
+Timing and snapshot recording are separate passes: recording Python stacks adds a cost to every
 allocation, which slows the control (one allocation per buffer per microbatch) more than a ring
 (none), so step times come only from unrecorded steps.
 """

@@ -68,9 +68,9 @@ class ProxyConfig:
     """Untimed eager steps first (also the CUDA-graph warm-up)."""
     warmup_s: float = 2.0
     """Least seconds of eager warm-up on a GPU: steps continue past ``warmup_steps`` until this much
-    GPU time has run. An H200 dips ~10% for ~0.2 s about 0.9 s into sustained load (clock / power
-    management, examples/sweep-h200 steps 16-19); 3 warm-up steps (0.15 s) put that dip inside the
-    timed steps. Costs up to this many seconds per configuration; ignored on CPU."""
+    GPU time has run, so the GPU's clock and power settling under sustained load falls inside the warm-up,
+    not the timed steps (measured: docs/benchmarks.md). Costs up to this many seconds per configuration;
+    ignored on CPU."""
     record_steps: int = 2
     """Steps of the untimed snapshot-recording pass (0: no snapshot)."""
     comm_ms: float = 0.5

@@ -80,7 +80,7 @@ def calibrate_sleep(stream: torch.cuda.Stream, *, cycles: int = 20_000_000) -> f
 class ProxyStreams:
     """The proxy's two streams. Pass one instance to every :class:`MoEProxy` of a process that
     measures several configurations: cuBLAS keeps a workspace per stream, so new streams per
-    measurement grow max allocated (+480 MiB over sweep_bench's first repeat)."""
+    measurement grow max allocated (measured: docs/benchmarks.md)."""
 
     comm: torch.cuda.Stream | None
     """Dispatch and combine run here (None on CPU: everything is in program order)."""

@@ -7,7 +7,7 @@ measurements every tensor, the pool and the graph are dropped and the allocator 
 with peak statistics reset, so each max-reserved figure is that configuration's alone (the same
 figure a fresh process gives, without paying process start and CUDA init per measurement). One
 pair of streams serves every measurement: cuBLAS keeps a workspace per stream, which new streams
-per measurement would add to max allocated (+480 MiB over the first repeat).
+per measurement would add to max allocated (docs/benchmarks.md gives the measured growth).
 
 Ratios pair each configuration with the control of the same repeat and comm time; the interval is
 Student's t over repeats (mean ± t(0.975, n-1)·sd/√n). :func:`summarize` imports no torch.

@@ -1,9 +1,12 @@
-"""megatron-core integration: requirement matrix, hooks, backend adapters, the Megatron entry.
+"""megatron-core integration: the core, the dispatch-path adapters, the requirement matrix, the entry.
 
-Modules (import what you need; this package imports nothing heavy):
-``requirements`` (the matrix, ``check``/``validate``), ``features`` (DeepEP/TE detection),
-``check_file`` (``bufreuse check-config``), ``megatron`` (``install``/``uninstall``), ``alltoall``
-(NCCL path autograd Functions), ``hybridep`` and ``te`` (adapters), ``entry`` (``bufreuse-megatron``).
+Modules (import what you need; this package imports nothing heavy): ``core`` (``Installation``,
+``Held``, buffer names, the ``PathAdapter`` protocol), ``adapters`` (the registry ``ADAPTERS``:
+``hybridep``, ``te``, ``alltoall``), ``megatron`` (``install``/``installed``), ``requirements`` (the
+matrix, ``check``/``validate``), ``_compat_megatron`` (every megatron-core private API we use),
+``features`` (DeepEP/TE detection), ``check_file`` (``bufreuse check-config``), ``graphs``
+(full-iteration CUDA graphs), ``alltoall``/``hybridep``/``te`` (backend helpers), ``entry``
+(``bufreuse-megatron``).
 """
 
 __all__: list[str] = []

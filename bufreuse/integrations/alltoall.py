@@ -1,7 +1,7 @@
 """The NCCL all-to-all path: dispatch output and expert FC2 output written into pool buffers.
 
-Two autograd Functions do the writing; the layer hooks in :mod:`bufreuse.integrations.megatron`
-decide where each buffer is released:
+Two autograd Functions do the writing; the layer hooks in
+:mod:`bufreuse.integrations.adapters.alltoall` decide where each buffer is released:
 
 - :class:`RingAllToAll` runs ``all_to_all_single`` straight into a dispatch slot (at EP = 1 the
   upstream all-to-all is an identity, so the slot is filled by one copy; this proves the hooks,
@@ -17,69 +17,14 @@ backward has read the slot. Costs: one pool acquire/release pair per buffer per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bufreuse.pool import BufferPool, EarlyReuseError, StaticShapeError
+from bufreuse.integrations.core import Held, acquire_with_hint
+from bufreuse.pool import BufferPool
 
-__all__ = ["CatIntoRing", "Held", "RingAllToAll", "acquire_with_hint", "aliases"]
-
-KNOBS = {
-    "dispatch_output": "moe_hybridep_num_dispatch_output_buffers",
-    "expert_fc2_output": "moe_hybridep_num_expert_output_buffers",
-}
-
-
-@dataclass(slots=True)
-class Held:
-    """One acquisition and where it is released."""
-
-    pool: BufferPool
-    name: str
-    tensor: torch.Tensor
-    release_in_backward: bool = False
-    released: bool = False
-
-    def release(self) -> None:
-        """Release on the current stream once (the final reader has been enqueued)."""
-        if not self.released:
-            self.released = True
-            self.pool.release(self.name, self.tensor)
-
-
-def aliases(a: Any, b: torch.Tensor) -> bool:
-    """Whether ``a`` shares storage with ``b`` (pure; by untyped storage pointer)."""
-    if not isinstance(a, torch.Tensor):
-        return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def acquire_with_hint(pool: BufferPool, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None):
-    """``pool.acquire`` whose early-reuse error names the knob to raise; refuses a dtype mismatch.
-
-    A copy into a buffer of another dtype would cast silently, so a ``dtype`` other than the
-    registered one raises :class:`StaticShapeError` (nothing stays acquired).
-    """
-    try:
-        tensor = pool.acquire(name, shape)
-    except EarlyReuseError as e:
-        knob = KNOBS.get(name, "the slot count")
-        raise EarlyReuseError(
-            f"{e} -> raise {knob} to at least {e.min_depth}",
-            ring=e.ring,
-            slot=e.slot,
-            generation=e.generation,
-            min_depth=e.min_depth,
-        ) from e
-    if dtype is not None and tensor.dtype != dtype:
-        pool.release(name, tensor)
-        raise StaticShapeError(
-            f"buffer '{name}' holds {tensor.dtype} but the layer produces {dtype}; the ring dtype comes from "
-            "TransformerConfig.params_dtype (set bf16/params_dtype to the activation dtype)"
-        )
-    return tensor
+__all__ = ["CatIntoRing", "RingAllToAll"]
 
 
 def _splits(x: Any) -> list[int] | None:

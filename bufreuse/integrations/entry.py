@@ -16,7 +16,8 @@ A megatron-core installed from its wheel ships the dataset helpers prebuilt (``h
 the ``Makefile`` that Megatron-LM's start-up ``make -C megatron/core/datasets`` needs (it exits the
 run when make fails); in exactly that case the wrapper skips the rebuild and says so.
 
-Either way the model is validated (:func:`bufreuse.config.validate` against its ``TransformerConfig``,
+Either way the model is validated (:func:`bufreuse.integrations.requirements.validate` against its
+``TransformerConfig``,
 seq length and micro-batch size from the args) and hooked (:func:`bufreuse.integrations.megatron.install`,
 one shared :class:`BufferPool`); everything is restored when the script returns. A config that cannot
 be enabled stops the run before training with one error listing every unmet requirement (exit 2).
@@ -32,8 +33,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bufreuse.config import BufReuseConfig, add_arguments, tokens_per_microbatch, validate
+from bufreuse.config import BufReuseConfig, add_arguments, tokens_per_microbatch
 from bufreuse.errors import BufreuseError, ConfigError, InputError, exit_code_for
+from bufreuse.integrations.requirements import validate
 
 __all__ = ["Session", "locate_script", "main"]
 

@@ -17,7 +17,7 @@ module calls it at the right points, for one or several pools at once:
 
   Warm up on the capture stream, or create the parameters' ``AccumulateGrad`` nodes there as
   Megatron-LM's DDP set-up does: a node kept alive from an eager iteration on the default stream
-  makes the captured backward depend on that stream (``cudaErrorStreamCaptureImplicit`` on the H200).
+  makes the captured backward depend on that stream (``cudaErrorStreamCaptureImplicit``; docs/megatron.md).
 
 - :func:`patch_full_iteration`: wraps megatron-core's ``FullCudaGraphWrapper.__call__`` (the
   ``cuda_graph_impl="full_iteration"`` path of Megatron-LM's training loop) so that the capture
@@ -25,7 +25,7 @@ module calls it at the right points, for one or several pools at once:
   after eager releases, and an eager call after replays starts with ``after_replay``. Installed by
   :func:`bufreuse.integrations.megatron.install`, removed by the last ``uninstall()``.
 
-Costs: one event record per ring per phase change (a few microseconds per iteration at most);
+Costs: one event record per ring per phase change;
 nothing on the replay itself. No slot may be held across an iteration boundary: a held slot at a
 phase change raises :class:`~bufreuse.pool.CaptureStateError` naming it.
 """
@@ -130,25 +130,18 @@ def capture_iteration(target: Any, stream: Any = None) -> contextlib.AbstractCon
     return GraphPhases(target).capture(stream)
 
 
-def _capture_stream(module: Any) -> Any:
-    get = getattr(module, "get_shared_capture_stream", None)
-    return get() if get is not None else None  # older megatron-core: torch.cuda.graph syncs the device first
-
-
 def patch_full_iteration(undo: list[Callable[[], None]], pools: Callable[[], list[BufferPool]]) -> bool:
     """Wrap ``FullCudaGraphWrapper.__call__``; append its restore to ``undo``. False if megatron-core has none.
 
     ``pools()`` returns the pools of the live installations at call time (none: the call runs untouched).
     """
-    try:
-        from megatron.core import full_cuda_graph as fcg
-    except ImportError:
-        return False
-    cls = getattr(fcg, "FullCudaGraphWrapper", None)
-    if cls is None or "__call__" not in vars(cls):
+    from bufreuse.integrations._compat_megatron import full_cuda_graph_wrapper, shared_capture_stream
+
+    cls = full_cuda_graph_wrapper()
+    if cls is None:
         return False
     orig = vars(cls)["__call__"]
-    cls.__call__ = wrap_full_iteration_call(orig, pools, lambda: _capture_stream(fcg))
+    cls.__call__ = wrap_full_iteration_call(orig, pools, shared_capture_stream)
     undo.append(lambda: setattr(cls, "__call__", orig))
     return True
 

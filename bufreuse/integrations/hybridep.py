@@ -1,10 +1,9 @@
-"""HybridEP (DeepEP hybrid-ep) adapter: hand a ring slot to ``dispatch_with_permute(output_token=)``.
+"""DeepEP HybridEP helpers: hand a ring slot to ``HybridEPBuffer.dispatch_with_permute(output_token=)``.
 
-Upstream ``HybridEPBuffer.dispatch_with_permute`` allocates its output itself (no ``output_token``
-in deepseek-ai/DeepEP@098da2a6dee107028535a5776248891d6e376918, hybrid-ep branch); the seed's
-draft adds exactly that keyword. This adapter fails early, naming the missing API, when the
-installed DeepEP lacks it, and checks that the kernel really wrote into the slot it was given.
-Only fakes exercise it here: no DeepEP with HybridEP installs from PyPI (see docs/megatron.md).
+Upstream HybridEP allocates its dispatch output itself; ``output_token`` is the keyword that lets
+the caller supply it (docs/megatron.md says which DeepEP has it). These helpers fail early, naming
+the missing API, when the installed DeepEP lacks it, and check that the kernel really wrote into
+the slot it was given. The layer hooks using them are :mod:`bufreuse.integrations.adapters.hybridep`.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from typing import Any
 
 import torch
 
-from bufreuse.errors import ConfigError
-from bufreuse.integrations.alltoall import acquire_with_hint
+from bufreuse.errors import BackendContractError, ConfigError
+from bufreuse.integrations.core import DISPATCH, acquire_with_hint
 from bufreuse.integrations.features import deepep_output_token
 from bufreuse.pool import BufferPool
 
@@ -66,16 +65,19 @@ class OutputTokenInjector:
 def dispatch_with_output_token(buffer: Any, output_token: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
     """Call ``buffer.dispatch_with_permute(output_token=..., **kwargs)``; its output must be that tensor.
 
-    Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
-    never by version) and ``RuntimeError`` when the backend returned other storage than it was given.
+        Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
+        never by version) and :class:`~bufreuse.errors.BackendContractError` when the backend returned
+    other storage than it was given.
     """
     require_output_token(type(buffer))
     result = buffer.dispatch_with_permute(output_token=output_token, **kwargs)
     dispatched = result[0]
     if dispatched.data_ptr() != output_token.data_ptr():
-        raise RuntimeError(
-            "HybridEP dispatch_with_permute ignored output_token (returned other storage); "
-            "the ring slot would hold stale data"
+        raise BackendContractError(
+            "HybridEP",
+            "dispatch_with_permute",
+            "ignored output_token (returned other storage)",
+            hint="the ring slot would hold stale data",
         )
     return result
 
@@ -88,6 +90,6 @@ def dispatch_into_pool(
     Returns ``(dispatch result, acquired tensor)``; release the tensor after the experts (FP8/FP4
     expert GEMMs save a quantized copy, so the forward is its final reader).
     """
-    slot = acquire_with_hint(pool, "dispatch_output", (int(num_permuted_tokens), hidden.shape[-1]))
+    slot = acquire_with_hint(pool, DISPATCH, (int(num_permuted_tokens), hidden.shape[-1]))
     result = dispatch_with_output_token(buffer, slot, hidden=hidden, num_permuted_tokens=num_permuted_tokens, **kwargs)
     return result, slot

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from bufreuse.errors import ConfigError
+from bufreuse.errors import BackendContractError, ConfigError
+from bufreuse.integrations._compat_megatron import te_fused_impl
 from bufreuse.integrations.features import accepts_keyword
 
 __all__ = [
@@ -58,7 +59,9 @@ def grouped_linear_into(module: Any, inp: torch.Tensor, m_splits: Any, out: torc
     result = module(inp, m_splits, out=output_alias(out, shape), **kwargs)
     y = result[0] if isinstance(result, tuple) else result
     if y.data_ptr() != out.data_ptr():
-        raise RuntimeError("Transformer Engine ignored out= (returned other storage)")
+        raise BackendContractError(
+            "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
+        )
     return result
 
 
@@ -73,7 +76,7 @@ def require_fused_output_buffer(experts: Any, experts_module: Any) -> None:
     missing = []
     if not accepts_keyword(type(experts).forward, "output_buffer"):
         missing.append(f"{type(experts).__name__}.forward(output_buffer=) (megatron-core 0.19 TEGroupedMLP)")
-    elif not getattr(experts, "_with_fused_impl", False):
+    elif not te_fused_impl(experts):
         missing.append("the TE op-fuser grouped MLP (use_transformer_engine_op_fuser=True, a TE that fuses it)")
     if getattr(experts_module, "OUTPUT_BUFFER_KEY", None) is None:
         missing.append("Transformer Engine ops grouped_linear OUTPUT_BUFFER_KEY (TE PR #3161)")

@@ -5,7 +5,7 @@ so nothing inside the job writes ``metrics.json``. When the SLURM launcher sees 
 calls :func:`megatron_metrics`: the training log (``log.txt``, written by the template through
 ``tee``) gives step times, throughput and the memory reports (``bufreuse.analysis.runs.megatron_log``),
 and the rank-0 allocator snapshot that ``--memory-snapshot-path`` dumped is gzipped to
-``snapshot.pickle.gz`` (the file name every other workload uses; a few seconds per GiB).
+``snapshot.pickle.gz`` (the file name every other workload uses).
 """
 
 from __future__ import annotations

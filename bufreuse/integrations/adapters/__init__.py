@@ -1,0 +1,24 @@
+"""The registry of dispatch-path adapters (:class:`~bufreuse.integrations.core.PathAdapter`).
+
+``install()`` asks them in this order; ``requirements`` assembles the matrix from their rows. To
+add a dispatcher backend, write one module here with an ``ADAPTER`` and list it below
+(docs/architecture.md says how). Importing this package imports neither torch nor megatron-core.
+"""
+
+from __future__ import annotations
+
+from bufreuse.integrations.adapters import alltoall, hybridep, te
+from bufreuse.integrations.core import PathAdapter
+
+__all__ = ["ADAPTERS", "adapter"]
+
+ADAPTERS: tuple[PathAdapter, ...] = (hybridep.ADAPTER, te.ADAPTER, alltoall.ADAPTER)
+"""Every adapter, in the order ``install()`` asks them."""
+
+
+def adapter(name: str) -> PathAdapter:
+    """The registered adapter called ``name`` (``alltoall``, ``hybridep``, ``te``)."""
+    for a in ADAPTERS:
+        if a.name == name:
+            return a
+    raise KeyError(f"no bufreuse adapter {name!r}; registered: {', '.join(a.name for a in ADAPTERS)}")
