@@ -118,7 +118,7 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
-        except (BufreuseError, KeyboardInterrupt, Exception) as e:
+        except (KeyboardInterrupt, Exception) as e:
             if is_debug() and not isinstance(e, KeyboardInterrupt):
                 raise
             raise typer.Exit(report_exception(e)) from None
