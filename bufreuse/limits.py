@@ -56,6 +56,8 @@ class Limits:
     """YAML aliases in one config or site file (a 'billion laughs' file has millions)."""
     max_dim: int = 2**24
     """Largest single shape option: tokens, hidden, FFN, sequence length, micro-batch size (16,777,216)."""
+    max_ring_slots: int = 1024
+    """Slots of one ring (``--slots``); the sweeps that pay off use 2 to 12."""
     max_buffer_bytes: int = 2**40
     """Bytes one ring or benchmark buffer set may come to (slots x rows x columns x element size; 1 TiB)."""
 

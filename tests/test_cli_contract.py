@@ -83,6 +83,7 @@ CASES = [
     Case("sweep-slurm-poll-nan", _sweep("--launcher", "slurm", "--slurm-poll", "nan")),
     Case("sweep-tokens-huge", _sweep("--tokens", "99999999999"), shows=lambda w: "--limit max-dim"),
     Case("sweep-hidden-zero", _sweep("--hidden", "0")),
+    Case("sweep-slots-huge", _sweep("--slots", "0,99999999999"), shows=lambda w: "max_ring_slots"),
     Case("sweep-slots-not-numbers", _sweep("--slots", "a,b")),
     Case("sweep-status-not-a-sweep", _w("sweep", "--status", "{w}")),
     Case("bench-pool-huge-shape", _w("bench", "pool", "--tokens", "99999999999", "--hidden", "99999999999")),

@@ -98,6 +98,7 @@ def _check_memory(*, device: str | None, tokens: int | None, hidden: int | None,
     """
     from bufreuse import limits
 
+    limits.check("max_ring_slots", slots, what="--slots")
     cpu = (device or "").startswith("cpu")
     rows, cols = tokens or (1024 if cpu else 32768), hidden or (1024 if cpu else 4096)
     need = (2 * slots + 4) * rows * cols * _ELEMENT_BYTES.get(dtype, 2)

@@ -90,6 +90,8 @@ class SweepSpec:
             raise InputError("--slots: give at least one slot count (0 is the control)")
         if any(s < 0 for s in self.slots):
             raise InputError(f"--slots {self.slots}: slot counts must be >= 0")
+        if self.slots:
+            limits.check("max_ring_slots", max(self.slots), what="--slots")
         bad = [m for m in self.modes if m not in EXTRA_MODES]
         if bad:
             raise InputError(f"--modes {','.join(bad)}: choose from {', '.join(EXTRA_MODES)}")
