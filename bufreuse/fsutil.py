@@ -3,6 +3,9 @@
 Every result the toolkit writes (metrics, manifests, reports, plots, compressed snapshots) goes
 through here, so a run killed midway leaves no half-written file that a resume would take as
 finished. Costs one ``fsync`` per file (milliseconds on a local disk, more on NFS/Lustre).
+
+Files get the mode a plain ``open()`` would give (0644 under the usual umask 022; an existing
+file keeps its mode), not the 0600 of the temporary file, so results can be shared on a cluster.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +21,14 @@ from typing import IO, Any
 
 from bufreuse.errors import OutputError
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "atomic_writer", "read_json"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "atomic_writer",
+    "current_umask",
+    "read_json",
+]
 
 
 @contextlib.contextmanager
@@ -37,6 +48,7 @@ def atomic_writer(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     except OSError as e:
         raise OutputError(f"{path}: cannot write here ({e.strerror or e}); choose another output path") from None
     try:
+        os.fchmod(fd, _target_mode(path))
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -48,6 +60,28 @@ def atomic_writer(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _target_mode(path: Path) -> int:
+    """The existing file's permission bits, else what ``open(path, "w")`` would create (0666 minus umask)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the fallback only)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:

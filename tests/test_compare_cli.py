@@ -27,7 +27,8 @@ def test_cli_compare_sweep_labels_prints_table(tmp_path: Path) -> None:
 
 def test_cli_compare_seed_logs_json_csv_and_plots(tmp_path: Path) -> None:
     csv_path, plots = tmp_path / "out" / "compare.csv", tmp_path / "plots"
-    args = ["compare", str(CONTROL_LOG), str(FEATURE_LOG), "--json", "--csv", str(csv_path), "--plot", str(plots)]
+    args = ["compare", str(CONTROL_LOG), str(FEATURE_LOG), "--json", "--csv", str(csv_path), "--plot", str(plots),
+            "--mkdir"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 
 from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.errors import InputError, OutputError, exit_code_for
-from bufreuse.fsutil import atomic_write_json, atomic_writer, read_json
+from bufreuse.fsutil import atomic_write_json, atomic_write_text, atomic_writer, current_umask, read_json
 from bufreuse.launch.base import write_failure_metrics
 from bufreuse.launch.megatron_collect import compress_rank0_snapshot
 from bufreuse.sweepdir import METRIC_FIGURES, STATUSES, ConfigPaths, blank_metrics
@@ -77,3 +79,30 @@ def test_compress_rank0_snapshot_interrupted_leaves_nothing(tmp_path: Path, monk
     monkeypatch.undo()
     assert compress_rank0_snapshot(paths) == str(paths.snapshot)
     assert load_pickle_file(paths.snapshot) == {"segments": []}
+
+
+def test_atomic_write_new_file_is_0644_under_umask_022(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        target = atomic_write_json(tmp_path / "metrics.json", {"status": "ok"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+def test_atomic_write_respects_a_stricter_umask(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        assert current_umask() == 0o077
+        target = atomic_write_text(tmp_path / "private.txt", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+
+
+def test_atomic_write_keeps_an_existing_files_mode(tmp_path: Path) -> None:
+    target = tmp_path / "shared.json"
+    target.write_text("{}")
+    target.chmod(0o664)
+    atomic_write_json(target, {"a": 1})
+    assert stat.S_IMODE(target.stat().st_mode) == 0o664 and read_json(target) == {"a": 1}

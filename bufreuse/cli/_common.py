@@ -1,4 +1,10 @@
-"""What every command shares: the error boundary, the debug switch and the consoles."""
+"""What every command shares: the error boundary, the debug switch and the consoles.
+
+The boundary is :class:`BoundaryGroup`, the root command's class: usage errors (unknown option, bad
+integer, missing argument), project errors and anything unexpected leave it as one line on stderr and
+an exit code, whichever command raised them. Every message is escaped before rich sees it, so a file
+name like ``snap[red].pickle`` is printed as typed.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,27 @@ import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from bufreuse.errors import BufreuseError, exit_code_for
 
+try:  # typer >= 0.22 vendors click as typer._click; older ones depend on click itself
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+
 __all__ = [
+    "OFF_TTY_WIDTH",
+    "BoundaryGroup",
     "CliState",
     "TickFn",
     "console",
@@ -24,7 +40,9 @@ __all__ = [
     "handle_errors",
     "is_debug",
     "json_option",
+    "print_error",
     "progress_bar",
+    "report_exception",
     "root_option",
     "set_debug",
     "write_figures",
@@ -34,8 +52,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 TickFn = Callable[[int, int], None]
 """``tick(done, total)``: what :func:`progress_bar` yields."""
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+OFF_TTY_WIDTH = 200
+"""Table width when output is not a terminal and ``$COLUMNS`` is unset (logs keep whole headers)."""
+
+
+def _width(stream: Any) -> int | None:
+    """None (rich decides: the terminal, or ``$COLUMNS``) on a terminal or with COLUMNS, else a wide default."""
+    if os.environ.get("COLUMNS", "").strip().isdigit():
+        return None
+    try:
+        return None if stream.isatty() else OFF_TTY_WIDTH
+    except (AttributeError, ValueError):
+        return OFF_TTY_WIDTH
+
+
+console = Console(highlight=False, width=_width(sys.stdout))
+err_console = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,11 +89,29 @@ def is_debug() -> bool:
     return _debug.get() or os.environ.get("BUFREUSE_CLI_DEBUG", "") not in ("", "0")
 
 
+def print_error(message: str, *, label: str = "error") -> None:
+    """Print ``label: message`` as one line on stderr; ``message`` is escaped (no rich markup from users)."""
+    err_console.print(f"[bold red]{label}:[/] {escape(_one_line(message))}", soft_wrap=True, highlight=False)
+
+
+def report_exception(e: BaseException) -> int:
+    """Print ``e`` as one line on stderr and return its exit code (2 bad input, 1 failed check or bug)."""
+    if isinstance(e, BufreuseError):
+        print_error(str(e) or type(e).__name__)
+        return exit_code_for(e)
+    if isinstance(e, KeyboardInterrupt):
+        err_console.print("[yellow]interrupted[/]")
+        return 130
+    print_error(f"{type(e).__name__}: {e} (rerun with --debug for the traceback)", label="internal error")
+    return 1
+
+
 def handle_errors(fn: F) -> F:
     """Turn library errors into one line on stderr and the error's exit code (no traceback).
 
     ``BufreuseError`` subclasses choose the code (2 bad input, 1 failed check); anything
     unexpected exits 1 with a hint to rerun with ``--debug``, which re-raises instead.
+    :class:`BoundaryGroup` does the same for whatever escapes a command (option callbacks, usage).
     """
 
     @functools.wraps(fn)
@@ -70,29 +120,57 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
-        except BufreuseError as e:
-            if is_debug():
+        except (KeyboardInterrupt, Exception) as e:
+            if is_debug() and not isinstance(e, KeyboardInterrupt):
                 raise
-            err_console.print(f"[bold red]error:[/] {_one_line(e)}", soft_wrap=True)
-            raise typer.Exit(exit_code_for(e)) from None
-        except KeyboardInterrupt:
-            err_console.print("[yellow]interrupted[/]")
-            raise typer.Exit(130) from None
-        except Exception as e:
-            if is_debug():
-                raise
-            err_console.print(
-                f"[bold red]internal error:[/] {type(e).__name__}: {_one_line(e)} "
-                "(rerun with --debug for the traceback)",
-                soft_wrap=True,
-            )
-            raise typer.Exit(1) from None
+            raise typer.Exit(report_exception(e)) from None
 
     return wrapper  # type: ignore[return-value]
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+class BoundaryGroup(TyperGroup):
+    """The root command: usage errors as one ``error:`` line (exit 2), and a last boundary for the rest."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as e:  # bare ``bufreuse`` or ``bufreuse bench``: the help, as Typer shows it
+            from typer import rich_utils
+
+            rich_utils.rich_format_error(e)
+            sys.exit(e.exit_code)
+        except ClickException as e:
+            print_error(_usage_line(e))
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        except Exception as e:
+            if is_debug():
+                raise
+            sys.exit(report_exception(e))
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
+
+def _usage_line(e: ClickException) -> str:
+    """``bufreuse sweep: No such option: --bogus; see bufreuse sweep --help``."""
+    ctx = getattr(e, "ctx", None)
+    if ctx is None:
+        return e.format_message()
+    return f"{ctx.command_path}: {e.format_message().rstrip('.')}; see '{ctx.command_path} --help'"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
 
 def json_option(what: str = "the result") -> Any:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from bufreuse.cli._common import console, err_console
@@ -82,7 +83,7 @@ def print_dry_run(launcher: SlurmLauncher) -> None:
     if not launcher.rendered:
         err_console.print("dry run: nothing to submit (every configuration has finished)")
     for cid, path in launcher.rendered.items():
-        console.rule(f"{cid}: {path}")
+        console.rule(escape(f"{cid}: {path}"))
         console.out(path.read_text(), highlight=False, end="")  # raw: no wrapping, no markup
 
 
@@ -93,9 +94,11 @@ def job_table(rows: list[JobRow], *, title: str) -> Table:
         table.add_column(col, overflow="fold")
     for r in rows:
         style = _STYLE.get(r.state, "")
+        state = escape(r.state)
         table.add_row(
-            r.config_id, r.job_id or "-", f"[{style}]{r.state}[/]" if style else r.state, r.slurm_state or "-",
-            (r.reason or "-")[:80], r.nodes or "-", r.elapsed or "-",
+            escape(r.config_id), escape(r.job_id or "-"), f"[{style}]{state}[/]" if style else state,
+            escape(r.slurm_state or "-"), escape((r.reason or "-")[:80]), escape(r.nodes or "-"),
+            escape(r.elapsed or "-"),
         )  # fmt: skip
     return table
 
@@ -105,7 +108,7 @@ def watch_jobs(
 ) -> dict[str, str]:
     """Track the sweep's jobs in a live table on stderr until none is queued or running."""
     sweep = SweepDir(folder)
-    title = f"SLURM jobs of {sweep.folder}"
+    title = escape(f"SLURM jobs of {sweep.folder}")
     started = time.monotonic()
     with Live(job_table([], title=title), console=err_console, refresh_per_second=2, transient=False) as live:
 
@@ -114,7 +117,7 @@ def watch_jobs(
 
         states = launcher.wait(sweep, poll_s=poll_s, timeout_s=timeout_s, on_update=update)
     for warning in dict.fromkeys(launcher.warnings):
-        err_console.print(f"[yellow]warning:[/] {warning}")
+        err_console.print(f"[yellow]warning:[/] {escape(str(warning))}")
     return states
 
 
@@ -136,16 +139,16 @@ def show_status(folder: str | Path, *, json_out: bool = False) -> dict[str, str]
             payload["jobs"] = [asdict(r) for r in rows]
         console.print_json(json.dumps(payload))
     elif rows is not None:
-        console.print(job_table(rows, title=f"sweep {sweep.folder} (SLURM)"))
+        console.print(job_table(rows, title=escape(f"sweep {sweep.folder} (SLURM)")))
     else:
-        table = Table(title=f"sweep {sweep.folder} ({launcher.name})", title_justify="left")
+        table = Table(title=escape(f"sweep {sweep.folder} ({launcher.name})"), title_justify="left")
         table.add_column("config")
         table.add_column("state")
         for cid, state in states.items():
-            table.add_row(cid, f"[{_STYLE.get(state, '')}]{state}[/]" if state in _STYLE else state)
+            table.add_row(escape(cid), f"[{_STYLE.get(state, '')}]{state}[/]" if state in _STYLE else escape(state))
         console.print(table)
     for warning in dict.fromkeys(getattr(launcher, "warnings", [])):
-        err_console.print(f"[yellow]warning:[/] {warning}")
+        err_console.print(f"[yellow]warning:[/] {escape(str(warning))}")
     return states
 
 
@@ -157,7 +160,7 @@ def cancel_sweep(folder: str | Path, *, json_out: bool = False) -> list[str]:
     if json_out:
         console.print_json(json.dumps({"folder": str(sweep.folder), "cancelled": cancelled}))
     elif cancelled:
-        console.print(f"cancelled {len(cancelled)} configuration(s): {', '.join(cancelled)}")
+        console.print(escape(f"cancelled {len(cancelled)} configuration(s): {', '.join(cancelled)}"))
     else:
-        console.print(f"nothing in flight in {sweep.folder}")
+        console.print(escape(f"nothing in flight in {sweep.folder}"))
     return cancelled

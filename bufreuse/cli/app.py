@@ -9,7 +9,7 @@ import typer
 
 from bufreuse import __version__
 from bufreuse.cli import bench, check_config, compare, demo, snapshot_report, sweep
-from bufreuse.cli._common import CliState, set_debug
+from bufreuse.cli._common import BoundaryGroup, CliState, set_debug
 
 __all__ = ["app", "main"]
 
@@ -17,8 +17,9 @@ app = typer.Typer(
     name="bufreuse",
     help="Persistent buffer rings for MoE cross-stream buffers, and the tools that prove them.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
+    cls=BoundaryGroup,
 )
 
 
@@ -33,11 +34,24 @@ def _root(
     ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+        bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    limit: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--limit",
+            metavar="NAME=N",
+            help="Raise a resource budget for this run (max-workers, max-hosts, max-trace-entries, max-dim, "
+            "...; docs/facts.md lists them); repeatable. Also $BUFREUSE_LIMITS.",
+        ),
+    ] = None,
 ) -> None:
+    from bufreuse import limits
+
     ctx.obj = CliState(debug=debug)
     set_debug(debug)
+    if limit:
+        ctx.with_resource(limits.override(**limits.parse_overrides(limit)))
 
 
 for _module in (snapshot_report, sweep, compare, demo, check_config, bench):

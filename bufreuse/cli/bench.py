@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from bufreuse.cli._common import console, handle_errors, json_option, progress_bar
+from bufreuse.cli._validate import check_output_file, dim
 from bufreuse.errors import InputError
 
 __all__ = ["bench_app", "register"]
@@ -33,14 +34,18 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def pool(
     device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
-    tokens: Annotated[int | None, typer.Option(min=1, help="Buffer rows (default 32768 on CUDA, 1024 on CPU).")] = None,
+    tokens: Annotated[
+        int | None, typer.Option(min=1, callback=dim, help="Buffer rows (default 32768 on CUDA, 1024 on CPU).")
+    ] = None,
     hidden: Annotated[
-        int | None, typer.Option(min=1, help="Buffer columns (default 4096 on CUDA, 1024 on CPU).")
+        int | None, typer.Option(min=1, callback=dim, help="Buffer columns (default 4096 on CUDA, 1024 on CPU).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="Element type (torch dtype name).")] = "bfloat16",
     slots: Annotated[int, typer.Option(min=1, help="Ring slots.")] = 4,
-    iters: Annotated[int, typer.Option(min=1, help="Pairs per timed loop.")] = 20000,
-    repeats: Annotated[int, typer.Option(min=1, help="Interleaved rounds per variant (median reported).")] = 5,
+    iters: Annotated[int, typer.Option(min=1, max=10_000_000, help="Pairs per timed loop.")] = 20000,
+    repeats: Annotated[
+        int, typer.Option(min=1, max=1000, help="Interleaved rounds per variant (median reported).")
+    ] = 5,
     probe_external_events: Annotated[
         bool,
         typer.Option(
@@ -50,8 +55,11 @@ def pool(
     ] = False,
     json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --output file's missing folders.")] = False,
 ) -> None:
     """CPU cost of acquire+release (ring, pool policies) vs torch.empty + record_stream + free, same shape."""
+    check_output_file(output, suffixes=(".json",), mkdir=mkdir, option="--output")
+    _check_memory(device=device, tokens=tokens, hidden=hidden, dtype=dtype, slots=slots)
     from bufreuse.bench.pool_bench import PoolBenchConfig, run_pool_bench
     from bufreuse.bench.pool_bench import probe_external_events as probe
 
@@ -78,6 +86,32 @@ def pool(
         typer.echo(json.dumps(result, indent=2))
     else:
         _render(result)
+
+
+_ELEMENT_BYTES = {"float64": 8, "double": 8, "int64": 8, "float32": 4, "float": 4, "int32": 4}
+
+
+def _check_memory(*, device: str | None, tokens: int | None, hidden: int | None, dtype: str, slots: int) -> None:
+    """Refuse, before anything is allocated, a benchmark whose buffers exceed the budget or (CPU) the RAM.
+
+    It holds two rings of ``slots`` buffers plus a few transient ones of the same shape.
+    """
+    from bufreuse import limits
+
+    limits.check("max_ring_slots", slots, what="--slots")
+    cpu = (device or "").startswith("cpu")
+    rows, cols = tokens or (1024 if cpu else 32768), hidden or (1024 if cpu else 4096)
+    need = (2 * slots + 4) * rows * cols * _ELEMENT_BYTES.get(dtype, 2)
+    limits.check("max_buffer_bytes", need, what="bench pool buffers, bytes ((2 x --slots + 4) x --tokens x --hidden)")
+    if cpu:
+        import os
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > ram // 2:
+            raise InputError(
+                f"bench pool on CPU would hold {need / 2**30:,.1f} GiB, more than half of this machine's "
+                f"{ram / 2**30:,.1f} GiB; lower --slots, --tokens or --hidden"
+            )
 
 
 def _render(result: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from bufreuse.cli._common import console, handle_errors
+from bufreuse.cli._validate import dim
 
 __all__ = ["register"]
 
@@ -21,10 +22,16 @@ def check_config(
         bool, typer.Option("--assume-enabled", help="Check both buffers as if switched on (for a baseline config).")
     ] = False,
     seq_length: Annotated[
-        int | None, typer.Option(min=1, help="Tokens per sequence, if the file does not say (sizes the slots).")
+        int | None,
+        typer.Option(
+            min=1, callback=dim, help="Tokens per sequence for sizing the slots; overrides the file's seq_length."
+        ),
     ] = None,
     micro_batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Micro-batch size, if the file does not say (sizes the slots).")
+        int | None,
+        typer.Option(
+            min=1, callback=dim, help="Micro-batch size for sizing the slots; overrides the file's micro_batch_size."
+        ),
     ] = None,
 ) -> None:
     """Check every requirement of the enabled buffers; exit 1 if the feature cannot be enabled, 2 on bad input."""
@@ -46,27 +53,32 @@ def check_config(
 
 
 def _render(file: Path, data: dict) -> None:
+    from rich.markup import escape as e
     from rich.table import Table
 
-    console.print(f"[bold]{file}[/]: dispatch path [cyan]{data['path'] or 'unsupported'}[/], buffers {data['enabled']}")
+    console.print(
+        f"[bold]{e(str(file))}[/]: dispatch path [cyan]{e(str(data['path'] or 'unsupported'))}[/], "
+        f"buffers {e(str(data['enabled']))}"
+    )
     if "error" in data:
-        console.print(f"[red]✗[/] {data['error']}")
+        console.print(f"[red]✗[/] {e(data['error'])}")
         return
     table = Table(show_lines=False, pad_edge=False)
     for col in ("", "buffer/policy", "requirement", "why it is needed / what to change"):
         table.add_column(col, overflow="fold")
     for r in data["requirements"]:
+        where = e(f"{r['buffer']}/{r['policy']}")
         if r["ok"]:
-            table.add_row("[green]✓[/]", f"{r['buffer']}/{r['policy']}", r["text"], "")
+            table.add_row("[green]✓[/]", where, e(r["text"]), "")
             continue
-        note = f" [dim]({r['note']})[/]" if r["note"] else ""
-        table.add_row("[red]✗[/]", f"{r['buffer']}/{r['policy']}", r["text"], f"{r['why']}{note}; [bold]{r['fix']}[/]")
+        note = f" [dim]({e(r['note'])})[/]" if r["note"] else ""
+        table.add_row("[red]✗[/]", where, e(r["text"]), f"{e(r['why'])}{note}; [bold]{e(r['fix'])}[/]")
     console.print(table)
     for buf, ring in data["rings"].items():
         console.print(
             f"{buf}: {ring['slots']} slot(s) x {ring['rows']} rows x {ring['hidden']} x {ring['element_size']} B = "
             f"[bold]{_mib(ring['persistent_bytes'])}[/] persistent ({_mib(ring['slot_bytes'])} per slot; "
-            f"bound: {ring['bound_source']})"
+            f"bound: {e(str(ring['bound_source']))})"
         )
     verdict = (
         "[green]can be enabled[/]"

@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option, write_figures
+from bufreuse.cli._validate import check_output_dir, check_output_file, finite
 
 __all__ = ["register"]
 
@@ -24,11 +26,19 @@ def compare(
     root: Annotated[str | None, root_option("Sweeps root for labels")] = None,
     warmup: Annotated[int, typer.Option(min=0, help="Logged iterations to skip at the start of a Megatron log.")] = 3,
     throughput_band: Annotated[
-        float, typer.Option(min=0, help="Parity band for throughput and step time, percent of baseline.")
+        float,
+        typer.Option(
+            callback=finite(lo=0, hi=1000), help="Parity band for throughput and step time, percent of baseline."
+        ),
     ] = 1.0,
-    memory_band_mib: Annotated[float, typer.Option(min=0, help="Parity band for memory, MiB (or the % band).")] = 64.0,
+    memory_band_mib: Annotated[
+        float, typer.Option(callback=finite(lo=0), help="Parity band for memory, MiB (or the % band).")
+    ] = 64.0,
     memory_band_pct: Annotated[
-        float, typer.Option(min=0, help="Parity band for memory, percent of baseline (larger band wins).")
+        float,
+        typer.Option(
+            callback=finite(lo=0, hi=1000), help="Parity band for memory, percent of baseline (larger band wins)."
+        ),
     ] = 0.1,
     slot_bytes: Annotated[
         list[str] | None,
@@ -42,6 +52,7 @@ def compare(
     plot: Annotated[
         Path | None, typer.Option(help="Write memory, throughput and per-iteration PNG plots into this folder.")
     ] = None,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create missing folders for --csv and --plot.")] = False,
     fail_on_regression: Annotated[
         bool,
         typer.Option(
@@ -59,6 +70,8 @@ def compare(
     from bufreuse.errors import CheckFailedError
     from bufreuse.fsutil import atomic_write_text
 
+    check_output_file(csv_path, suffixes=(".csv",), mkdir=mkdir, option="--csv")
+    check_output_dir(plot, mkdir=mkdir, option="--plot")
     bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)
     sizes = parse_slot_sizes(slot_bytes, slot_mib)
     with err_console.status("reading runs (snapshots can take a while)"):
@@ -73,7 +86,7 @@ def compare(
     else:
         console.print(comparison_renderable(result))
         for path in written:
-            console.print(f"wrote {path}")
+            console.print(f"wrote {escape(str(path))}")
     if fail_on_regression and result.failing:
         shown = ", ".join(f"{run}:{metric}" for run, metric in result.failing)
         excused = [f"{run}:{metric}" for run, metric in result.regressions if (run, metric) not in result.failing]

@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from bufreuse.cli._common import console, err_console, handle_errors
+from bufreuse.cli._validate import check_output_dir
 
 __all__ = ["register"]
 
@@ -45,17 +47,21 @@ def demo(
     live: Annotated[
         bool, typer.Option("--live", help="Re-record the sweep on a local CUDA GPU first, then analyse that.")
     ] = False,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --out folder's missing parents.")] = False,
 ) -> None:
     """Run snapshot-report, the sweep table, compare control feature and the plots end to end."""
+    check_output_dir(out, mkdir=mkdir, option="--out")
     from bufreuse.demo import default_examples_dir, run_demo
 
     source = _record_live(out) if live else (examples or default_examples_dir())
     with err_console.status("demo") as status:
         result = run_demo(source, out, step=lambda msg: status.update(f"demo: {msg}"))
-    console.print(f"[bold]bufreuse demo[/] over {result.examples} ({len(result.sweeps)} sweep(s)):", soft_wrap=True)
+    console.print(
+        f"[bold]bufreuse demo[/] over {escape(str(result.examples))} ({len(result.sweeps)} sweep(s)):", soft_wrap=True
+    )
     for line in result.summary:
-        console.print(f"  {line}", soft_wrap=True)
-    console.print(f"wrote {len(result.files)} files into {result.out}/", soft_wrap=True)
+        console.print(f"  {escape(line)}", soft_wrap=True)
+    console.print(f"wrote {len(result.files)} files into {escape(str(result.out))}/", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

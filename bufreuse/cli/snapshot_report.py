@@ -10,8 +10,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-from bufreuse.cli._common import TickFn, console, err_console, handle_errors, is_debug, json_option, progress_bar
+from bufreuse.cli._common import (
+    TickFn,
+    console,
+    err_console,
+    handle_errors,
+    is_debug,
+    json_option,
+    print_error,
+    progress_bar,
+)
+from bufreuse.cli._validate import check_output_file
 
 __all__ = ["register"]
 
@@ -28,6 +39,7 @@ def snapshot_report(
         Path | None,
         typer.Option(help="Write a PNG timeline (reserved, active, pending-free band); several files: PATH-<i>.png."),
     ] = None,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --plot file's missing folders.")] = False,
     category: Annotated[
         list[str] | None,
         typer.Option(help="Category rule NAME=REGEX on the alloc stack's 'file:function' lines; repeatable."),
@@ -42,7 +54,9 @@ def snapshot_report(
     top: Annotated[int, typer.Option(min=1, help="Pending-free groups shown per file in the table.")] = 10,
     workers: Annotated[
         int | None,
-        typer.Option(min=1, help="Processes for several files (default: one per CPU, at most one per file)."),
+        typer.Option(
+            min=1, help="Processes for several files (default and cap: one per file, at most one per CPU, at most 64)."
+        ),
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
@@ -61,7 +75,9 @@ def snapshot_report(
     except (ValueError, re.error) as e:
         raise InputError(str(e)) from None
 
+    check_output_file(plot, suffixes=(".png",), mkdir=mkdir, option="--plot")
     paths = [str(f) for f in files]
+    workers = _worker_count(workers, len(paths))
     with _file_progress(len(paths)) as (on_bytes, on_done):
         results = report_files(
             paths, config, progress=on_bytes, on_file_done=on_done, workers=workers, raise_errors=_debug(ctx)
@@ -71,14 +87,15 @@ def snapshot_report(
     for i, res in enumerate(results):
         if res.error is not None or res.report is None:
             failed += 1
-            err_console.print(f"[bold red]error:[/] {res.error}", soft_wrap=True, highlight=False, markup=True)
+            print_error(str(res.error))
             continue
         if json_out:
             typer.echo(json.dumps(res.report, allow_nan=False, default=str))
         else:
             from bufreuse.analysis.render.snapshot_tables import file_renderable
 
-            console.print(file_renderable(res.report, top=top))
+            shown = {**res.report, "file": escape(str(res.report["file"]))}  # a title is rich markup
+            console.print(file_renderable(shown, top=top))
             console.print()
         if plot is not None and res.timeline is not None:
             from bufreuse.analysis.render.export import png_bytes
@@ -87,15 +104,27 @@ def snapshot_report(
 
             out = plot if len(results) == 1 else plot.with_name(f"{plot.stem}-{i}{plot.suffix or '.png'}")
             atomic_write_bytes(out, png_bytes(timeline_figure(res.timeline, title=res.file)))
-            err_console.print(f"wrote {out}")
+            err_console.print(f"wrote {escape(str(out))}")
         elif plot is not None:
-            err_console.print(f"[yellow]no plot for {res.file}: the snapshot has no trace[/]")
+            err_console.print(f"[yellow]no plot for {escape(str(res.file))}: the snapshot has no trace[/]")
     if len(results) - failed > 1 and not json_out:  # a summary over one (or no) readable file says nothing
         from bufreuse.analysis.render.snapshot_tables import combined_table
 
         console.print(combined_table(combine(results)))
-    if failed:
+    if failed:  # every bad file had its own error line; the good ones were reported above
+        if len(results) > 1:
+            err_console.print(f"{failed} of {len(results)} files could not be reported", highlight=False)
         raise typer.Exit(2)
+
+
+def _worker_count(requested: int | None, n_files: int) -> int:
+    """Workers for ``n_files``: never more than the files, the CPUs or the ``max_workers`` budget."""
+    import os
+
+    from bufreuse import limits
+
+    cap = max(1, min(n_files, os.cpu_count() or 1, limits.current().max_workers))
+    return cap if requested is None else min(requested, cap)
 
 
 def _debug(ctx: typer.Context) -> bool:

@@ -6,13 +6,17 @@ import json
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option, write_figures
+from bufreuse.cli._validate import check_sweeps_root, dim, finite, text_file, text_file_or
 from bufreuse.errors import CheckFailedError, InputError, JobFailedError
+from bufreuse.launch.sweep import DEFAULT_PARAMS as _D
 
 __all__ = ["register"]
 
-_SHAPE_HELP = "Proxy shape (default: DESIGN.md's proxy)."
+_SHAPE_HELP = "Hidden size of the proxy MoE layer (the proxy: docs/facts.md)."
+_TEMPLATES = ("proxy", "megatron")  # bufreuse.launch.render.BUILTIN_TEMPLATES (not imported: jinja2 is slow)
 
 
 def register(app: typer.Typer) -> None:
@@ -31,14 +35,22 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Buffers that take the ring / stream-ordered policy: dispatch, expert.")
         ] = "dispatch,expert",
         comm_ms: Annotated[
-            float | None, typer.Option(help="Emulated communication per dispatch and combine, ms (one GPU).")
+            float | None,
+            typer.Option(
+                help=f"Emulated communication per dispatch and combine, ms (one GPU; default {_D['comm_ms']}).",
+                callback=finite(lo=0, hi=60_000),
+            ),
         ] = None,
         cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the step and time replays.")] = False,
         name: Annotated[str | None, typer.Option(help="Sweep name (default: a hash of the parameters).")] = None,
         root: Annotated[str | None, root_option()] = None,
         force: Annotated[bool, typer.Option("--force", help="Rerun configurations that already finished.")] = False,
         timeout: Annotated[
-            float, typer.Option(help="Seconds per configuration before it is killed (timeout).")
+            float,
+            typer.Option(
+                help="Seconds per configuration before it is killed (timeout).",
+                callback=finite(lo=0, lo_open=True, hi=30 * 86400),
+            ),
         ] = 600.0,
         json_out: Annotated[bool, json_option("the result rows")] = False,
         launcher: Annotated[
@@ -47,25 +59,23 @@ def register(app: typer.Typer) -> None:
         world_size: Annotated[
             int | None, typer.Option(help="Processes per configuration (default: every visible GPU).")
         ] = None,
-        hidden: Annotated[int | None, typer.Option(help=_SHAPE_HELP, rich_help_panel="Shape")] = None,
-        ffn: Annotated[int | None, typer.Option(help="Expert FFN size.", rich_help_panel="Shape")] = None,
-        tokens: Annotated[
-            int | None, typer.Option(help="Capacity tokens per microbatch.", rich_help_panel="Shape")
+        hidden: Annotated[int | None, _shape(_SHAPE_HELP, "hidden")] = None,
+        ffn: Annotated[int | None, _shape("Expert FFN size.", "ffn")] = None,
+        tokens: Annotated[int | None, _shape("Capacity tokens per microbatch.", "tokens")] = None,
+        local_experts: Annotated[int | None, _shape("Experts per GPU.", "local_experts")] = None,
+        topk: Annotated[int | None, _shape("Copies per token.", "topk")] = None,
+        dtype: Annotated[
+            str | None, typer.Option(help=f"bf16, fp16 or fp32 (default {_D['dtype']}).", rich_help_panel="Shape")
         ] = None,
-        local_experts: Annotated[int | None, typer.Option(help="Experts per GPU.", rich_help_panel="Shape")] = None,
-        topk: Annotated[int | None, typer.Option(help="Copies per token.", rich_help_panel="Shape")] = None,
-        dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32.", rich_help_panel="Shape")] = None,
-        microbatches: Annotated[
-            int | None, typer.Option(help="Microbatches per step.", rich_help_panel="Shape")
-        ] = None,
-        steps: Annotated[int | None, typer.Option(help="Timed steps (>= 20 advised).", rich_help_panel="Shape")] = None,
-        warmup_steps: Annotated[
-            int | None, typer.Option(help="Untimed warm-up steps.", rich_help_panel="Shape")
-        ] = None,
+        microbatches: Annotated[int | None, _shape("Microbatches per step.", "microbatches")] = None,
+        steps: Annotated[int | None, _shape("Timed steps (>= 20 advised).", "steps")] = None,
+        warmup_steps: Annotated[int | None, _shape("Untimed warm-up steps.", "warmup_steps", lo=0)] = None,
         record_steps: Annotated[
-            int | None, typer.Option(help="Steps recorded into snapshot.pickle.gz (0: none).", rich_help_panel="Shape")
+            int | None, _shape("Steps recorded into snapshot.pickle.gz (0: none).", "record_steps", lo=0)
         ] = None,
-        seed: Annotated[int | None, typer.Option(help="Data seed.", rich_help_panel="Shape")] = None,
+        seed: Annotated[
+            int | None, typer.Option(help=f"Data seed (default {_D['seed']}).", rich_help_panel="Shape")
+        ] = None,
         # --- SLURM launcher options (bufreuse/cli/_slurm.py, docs/slurm.md) ---
         workload: Annotated[
             str | None, typer.Option(help="proxy (default), cpu-smoke (CPU-only launcher check) or megatron (SLURM).")
@@ -84,10 +94,17 @@ def register(app: typer.Typer) -> None:
         ] = False,
         template: Annotated[
             str | None,
-            typer.Option(help="SLURM: sbatch template, proxy | megatron | FILE.j2.", rich_help_panel="SLURM"),
+            typer.Option(
+                help="SLURM: sbatch template, proxy | megatron | FILE.j2.",
+                rich_help_panel="SLURM",
+                callback=text_file_or(_TEMPLATES),
+            ),
         ] = None,
         slurm_site: Annotated[
-            str | None, typer.Option(help="YAML/JSON of site options; flags override.", rich_help_panel="SLURM")
+            str | None,
+            typer.Option(
+                help="YAML/JSON of site options; flags override.", rich_help_panel="SLURM", callback=text_file
+            ),
         ] = None,
         slurm_partition: Annotated[
             str | None, typer.Option(help="#SBATCH --partition.", rich_help_panel="SLURM")
@@ -126,7 +143,12 @@ def register(app: typer.Typer) -> None:
             list[str] | None, typer.Option(help="NAME=VALUE exported in the job (repeatable).", rich_help_panel="SLURM")
         ] = None,
         slurm_poll: Annotated[
-            float, typer.Option(help="Longest seconds between status polls.", rich_help_panel="SLURM")
+            float,
+            typer.Option(
+                help="Longest seconds between status polls.",
+                rich_help_panel="SLURM",
+                callback=finite(lo=0, lo_open=True, hi=3600),
+            ),
         ] = 10.0,
         megatron_args: Annotated[
             str | None,
@@ -169,6 +191,7 @@ def register(app: typer.Typer) -> None:
             force=force,
         )
         spec.validate()  # bad options: one error line before any progress bar is drawn
+        check_sweeps_root(root)
         # Launcher-specific options (the SLURM launcher adds its own here).
         launcher_options: dict[str, Any] = {}
         runner: Any = launcher
@@ -197,7 +220,8 @@ def register(app: typer.Typer) -> None:
 
         rows = load_sweep_rows(result.folder, result.config_ids)
         plots = []
-        if any(r.status == "ok" for r in rows):
+        # cpu-smoke and failed runs measure no memory: write no plot rather than an empty one
+        if any(r.status == "ok" and r.max_reserved_bytes is not None for r in rows):
             from bufreuse.analysis.render.plots import sweep_figures
 
             plots = write_figures(result.folder, sweep_figures(rows))
@@ -214,9 +238,9 @@ def register(app: typer.Typer) -> None:
             }
             console.print_json(json.dumps(payload))
         else:
-            console.print(sweep_table(rows, title=f"sweep {result.folder}"))
+            console.print(sweep_table(rows, title=f"sweep {escape(str(result.folder))}"))
             for p in plots:
-                console.print(f"plot: {p}")
+                console.print(f"plot: {escape(str(p))}")
         if mismatched:
             groups = "; ".join(f"{k}: {', '.join(v)}" for k, v in mismatched.items())
             raise CheckFailedError(f"results differ between configurations (checksum: ids): {groups}")
@@ -225,6 +249,13 @@ def register(app: typer.Typer) -> None:
             raise JobFailedError(
                 f"{len(bad)} configuration(s) did not finish ok: {', '.join(bad)}; see log.txt in each folder"
             )
+
+
+def _shape(help_text: str, key: str, *, lo: int = 1) -> Any:
+    """A shape option: its default in the help, bounded below by ``lo`` and above by ``--limit max-dim``."""
+    return typer.Option(
+        help=f"{help_text.rstrip('.')}; default {_D[key]}.", rich_help_panel="Shape", min=lo, callback=dim
+    )
 
 
 def _run_with_progress(run_sweep: Any, spec: Any, launcher: str, options: dict[str, Any]) -> Any:
@@ -239,6 +270,6 @@ def _run_with_progress(run_sweep: Any, spec: Any, launcher: str, options: dict[s
 
         def progress(ev: Any) -> None:
             text = f"{ev.config_id}: {ev.state}" + (f" — {ev.message[:80]}" if ev.message and ev.state != "ok" else "")
-            bar.update(task, total=ev.total, completed=ev.done, description=text)
+            bar.update(task, total=ev.total, completed=ev.done, description=escape(text))
 
         return run_sweep(spec, launcher=launcher, launcher_options=options, progress=progress)

@@ -93,6 +93,8 @@ def load_template(template: str | Path) -> tuple[str, str]:
     path = Path(template)
     try:
         return path.read_text(encoding="utf-8"), str(path)
+    except UnicodeDecodeError:
+        raise InputError(f"--template {name!r}: not UTF-8 text; an sbatch template (Jinja2) expected") from None
     except OSError as e:
         raise InputError(
             f"--template {name!r}: cannot read ({e.strerror or e}); use a file path or one of "

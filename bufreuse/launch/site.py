@@ -160,7 +160,11 @@ def load_site(path: str | os.PathLike[str] | None = None, **overrides: Any) -> S
         import yaml
 
         try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            text = Path(path).read_text(encoding="utf-8")
+            _check_yaml_aliases(text, str(path))
+            data = yaml.safe_load(text)
+        except UnicodeDecodeError:
+            raise InputError(f"--slurm-site {path}: not UTF-8 text; a YAML/JSON file expected") from None
         except OSError as e:
             raise InputError(f"--slurm-site {path}: cannot read ({e.strerror or e})") from None
         except yaml.YAMLError as e:
@@ -177,3 +181,18 @@ def load_site(path: str | os.PathLike[str] | None = None, **overrides: Any) -> S
         return SlurmSite(**values)
     except TypeError as e:
         raise InputError(f"SLURM site options: {e}") from None
+
+
+def _check_yaml_aliases(text: str, where: str) -> None:
+    """Count YAML aliases before building anything: a 'billion laughs' file is refused, not expanded."""
+    import yaml
+
+    from bufreuse import limits
+
+    budget = limits.current().max_yaml_aliases
+    aliases = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > budget:
+                limits.check("max_yaml_aliases", aliases, what=f"--slurm-site {where}: YAML aliases (at least)")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bufreuse import limits
 from bufreuse.errors import InputError
 from bufreuse.launch.base import Launcher, ProgressEvent, ProgressFn, clear_results, get_launcher
 from bufreuse.sweepdir import SweepDir, check_config_id, sweeps_root
@@ -50,7 +52,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "seed": 1234,
     "device": "cuda",
 }
-"""Workload parameters of a sweep (DESIGN.md's proxy); every ``config.json`` holds all of them."""
+"""Workload parameters of a sweep (the reference proxy, docs/facts.md); every ``config.json`` holds all of them."""
 
 EXTRA_MODES = ("control", "stream-ordered")
 BUFFERS = ("dispatch", "expert")
@@ -88,6 +90,8 @@ class SweepSpec:
             raise InputError("--slots: give at least one slot count (0 is the control)")
         if any(s < 0 for s in self.slots):
             raise InputError(f"--slots {self.slots}: slot counts must be >= 0")
+        if self.slots:
+            limits.check("max_ring_slots", max(self.slots), what="--slots")
         bad = [m for m in self.modes if m not in EXTRA_MODES]
         if bad:
             raise InputError(f"--modes {','.join(bad)}: choose from {', '.join(EXTRA_MODES)}")
@@ -104,6 +108,9 @@ class SweepSpec:
         for key in ("warmup_steps", "record_steps"):
             if int(p[key]) < 0:
                 raise InputError(f"--{key.replace('_', '-')} {p[key]}: must be >= 0")
+        for key in ("hidden", "ffn", "tokens", "local_experts", "topk", "microbatches", "steps", "warmup_steps",
+                    "record_steps"):  # fmt: skip
+            limits.check("max_dim", int(p[key]), what=f"--{key.replace('_', '-')}")
         if p["dtype"] not in DTYPES:
             raise InputError(f"--dtype {p['dtype']}: choose from {', '.join(DTYPES)}")
         if self.name is not None:
@@ -114,10 +121,10 @@ class SweepSpec:
                     f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (no '/'; it names a folder "
                     "inside the sweeps root)"
                 ) from None
-        if float(p["comm_ms"]) < 0:
-            raise InputError(f"--comm-ms {p['comm_ms']}: must be >= 0")
-        if self.timeout_s <= 0:
-            raise InputError(f"--timeout {self.timeout_s}: must be > 0")
+        if not math.isfinite(float(p["comm_ms"])) or float(p["comm_ms"]) < 0:
+            raise InputError(f"--comm-ms {p['comm_ms']}: must be a finite number >= 0")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise InputError(f"--timeout {self.timeout_s}: must be a finite number > 0")
         if self.world_size is not None and self.world_size < 1:
             raise InputError(f"--world-size {self.world_size}: must be >= 1")
 
