@@ -658,6 +658,43 @@ def test_allocator_policies_take_release_when_unsaved_and_hold():
     assert pool.get("expert_fc2_output").held == 0
 
 
+def test_deferred_releases_from_a_backward_thread_keep_counts_consistent():
+    """Backward (freeing saved refs) on a worker thread while the main thread acquires and releases."""
+    import queue
+    import sys
+
+    pool = BufferPool("cpu")
+    pool.register("dispatch_output", policy="ring", num_slots=4, max_shape=(4, 3), dtype=torch.float32)
+    ring = pool.get("dispatch_output")
+    weight = torch.randn(2, 3, requires_grad=True)
+    todo: queue.Queue = queue.Queue()
+    worker = threading.Thread(target=lambda: [loss.backward() for loss in iter(todo.get, None)])
+    old, n = sys.getswitchinterval(), 300
+    sys.setswitchinterval(1e-6)
+    try:
+        worker.start()
+        for _ in range(n):
+            while True:
+                try:
+                    x = pool.acquire("dispatch_output")
+                    break
+                except EarlyReuseError:
+                    time.sleep(1e-4)
+            with pool.track_saved():
+                loss = F.linear(x, weight).sum()
+            if ring.held < 4:  # a plain pair on another slot, racing the worker's deferred releases
+                pool.release("dispatch_output", pool.acquire("dispatch_output"))
+            pool.release_when_unsaved("dispatch_output", x)
+            todo.put(loss)
+            del loss
+        todo.put(None)
+        worker.join()
+    finally:
+        sys.setswitchinterval(old)
+    stats = ring.stats
+    assert ring.held == 0 and stats.releases == stats.acquisitions and stats.deferred_releases > 0
+
+
 # --- a bf16-like expert linear over interleaved schedules ---------------------------------------------
 
 _W0 = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +33,6 @@ from bufreuse.pool._state import Phase, RingStats, _Slot
 from bufreuse.pool.errors import (
     CaptureStateError,
     DoubleReleaseError,
-    EarlyReuseError,
     ForeignTensorError,
     InvalidStreamError,
     RingConfigError,
@@ -42,8 +40,9 @@ from bufreuse.pool.errors import (
     StaleAliasError,
     StaticShapeError,
 )
+from bufreuse.pool.ring_capacity import RingCapacity
 from bufreuse.pool.ring_lifecycle import RingLifecycle
-from bufreuse.pool.tracking import Hold, _SavedRef
+from bufreuse.pool.tracking import Hold, SavedRefCounting
 
 __all__ = ["ON_EXHAUSTED", "SLOT_ALIGN_BYTES", "BufferRing", "Phase", "RingStats"]
 
@@ -56,7 +55,7 @@ ON_EXHAUSTED = ("raise", "allocate")
 _log = logging.getLogger("bufreuse.pool")
 
 
-class BufferRing(RingLifecycle):
+class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
     """``num_slots`` persistent buffers of at most ``max_shape`` handed out in rotation.
 
     Args:
@@ -135,7 +134,7 @@ class BufferRing(RingLifecycle):
         self._registry[self._storage_ptr] = self
         self._slots = [self._new_slot(i, self._storage, i * self._stride) for i in range(num_slots)]
         self._fence = self._ops.new_event()
-        self._lock = threading.RLock()  # autograd's device threads free saved refs and finish deferred releases
+        self._lock = threading.RLock()  # saved-ref counts and deferral; reentrant: a holder may be freed by GC inside
         self._by_id: dict[int, _Slot] = {}
         self._gen_tags: dict[int, tuple[weakref.ref, int]] = {}
         self._fallback: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -145,7 +144,9 @@ class BufferRing(RingLifecycle):
         self._epoch = 0
         self._cursor = 0
         self._generation = 0
-        self._held = 0
+        self._held = 0  # acquisitions minus releases made by the caller's thread (hot path, no lock)
+        self._deferred_freed = 0  # deferred releases completed (by whichever thread freed the last reader)
+        self._deferred_waits = 0
         self._phase = Phase.EAGER
         self._acquisitions = 0
         self._releases = 0
@@ -185,42 +186,43 @@ class BufferRing(RingLifecycle):
             raise StaticShapeError(
                 f"ring '{self.name}': requested dtype {dtype}, ring holds {self.dtype} (bound {self.max_shape})"
             )
-        with self._lock:
-            slot = self._slots[self._cursor]
-            if slot.live is not None:
-                slot = self._next_free()
-                if slot is None:
-                    return self._fallback_acquire(shape, stream)
-            # A fresh TensorImpl sharing only this slot's version counter: detach() of its base (~1 us).
-            view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
-            if self._cuda:
-                if stream is None:
-                    stream = self._ops.current_stream()
-                elif self.debug:
-                    self._check_stream(stream)
-                if self.debug:
-                    self._check_capture_state()
-                event = slot.wait_on
-                if event is not None and slot.wait_stream is not stream:
-                    self._ops.wait(event, stream)
-                    self._gpu_waits += 1
-                    if self._watchdog is not None and self._phase is Phase.EAGER:
-                        self._watchdog.track(self.name, slot.index, slot.generation, event)
-                slot.wait_on = None
-            self._generation += 1
-            slot.generation = self._generation
-            slot.live = view
-            self._by_id[id(view)] = slot
+        slot = self._slots[self._cursor]
+        if slot.live is not None:
+            slot = self._next_free()
+            if slot is None:
+                return self._fallback_acquire(shape, stream)
+        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base (~1 us).
+        view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
+        if self._cuda:
+            if stream is None:
+                stream = self._ops.current_stream()
+            elif self.debug:
+                self._check_stream(stream)
             if self.debug:
-                tags, key = self._gen_tags, id(view)
-                tags[key] = (weakref.ref(view, lambda _r, _k=key, _t=tags: _t.pop(_k, None)), self._generation)
-            self._cursor = slot.index + 1 if slot.index + 1 < self.num_slots else 0
-            self._acquisitions += 1
-            self._held += 1
-            held = self._held + len(self._fallback)
-            if held > self._peak_held:
-                self._peak_held = held
-            return view
+                self._check_capture_state()
+            event = slot.wait_on
+            if event is not None and slot.wait_stream is not stream:
+                self._ops.wait(event, stream)
+                self._gpu_waits += 1
+                if self._watchdog is not None and self._phase is Phase.EAGER:
+                    self._watchdog.track(self.name, slot.index, slot.generation, event)
+            slot.wait_on = None
+        self._generation += 1
+        slot.generation = self._generation
+        slot.live = view
+        self._by_id[id(view)] = slot
+        if self.debug:
+            tags, key = self._gen_tags, id(view)
+            tags[key] = (weakref.ref(view, lambda _r, _k=key, _t=tags: _t.pop(_k, None)), self._generation)
+        self._cursor = slot.index + 1 if slot.index + 1 < self.num_slots else 0
+        self._acquisitions += 1
+        self._held += 1
+        held = self._held - self._deferred_freed
+        if self._fallback:
+            held += len(self._fallback)
+        if held > self._peak_held:
+            self._peak_held = held
+        return view
 
     def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
         """Mark ``tensor`` (the object ``acquire`` returned) read for the last time on ``stream``.
@@ -233,21 +235,23 @@ class BufferRing(RingLifecycle):
             SavedForBackwardError: autograd still holds a tracked saved reference to the slot, or a
                 :class:`Hold` is active (use ``release_when_unsaved``).
         """
-        with self._lock:
-            slot = self._by_id.pop(id(tensor), None)
-            if slot is None:
-                self._release_other(tensor, stream)
-                return
-            if slot.saved_refs or slot.holds:
-                self._by_id[id(tensor)] = slot
-                raise SavedForBackwardError(
-                    f"ring '{self.name}' slot {slot.index} generation {slot.generation}: released while it is "
-                    f"{slot.state()}; the next acquisition would overwrite what backward (or the deferred "
-                    "reader) still reads. Use release_when_unsaved() to release at the true last reader"
-                )
-            if self._cuda:
-                stream = self._consumer_stream(tensor, stream)
-            self._free(slot, stream)
+        slot = self._by_id.pop(id(tensor), None)
+        if slot is None:
+            self._release_other(tensor, stream)
+            return
+        if slot.saved_refs or slot.holds:
+            self._by_id[id(tensor)] = slot
+            raise SavedForBackwardError(
+                f"ring '{self.name}' slot {slot.index} generation {slot.generation}: released while it is "
+                f"{slot.state()}; the next acquisition would overwrite what backward (or the deferred "
+                "reader) still reads. Use release_when_unsaved() to release at the true last reader"
+            )
+        if self._cuda:
+            stream = self._consumer_stream(tensor, stream)
+            self._gpu_waits += self._record_release(slot, stream)
+        slot.live = None
+        self._held -= 1
+        self._releases += 1
 
     def release_when_unsaved(self, tensor: torch.Tensor, stream: Any = None) -> bool:
         """Release ``tensor`` now if nothing else reads it, else when the last reader is done.
@@ -268,21 +272,26 @@ class BufferRing(RingLifecycle):
         Raises:
             DoubleReleaseError, ForeignTensorError, StaleAliasError: wrong tensor (before any GPU work).
         """
-        with self._lock:
-            slot = self._by_id.pop(id(tensor), None)
-            if slot is None:
-                self._release_other(tensor, stream)
-                return True
-            if self._cuda:
-                stream = self._consumer_stream(tensor, stream)
-            if not slot.saved_refs and not slot.holds:
-                self._free(slot, stream)
-                return True
-            slot.pending = True
-            self._deferred += 1
-            if self._cuda:
-                self._mark(slot, stream)
-            return False
+        slot = self._by_id.pop(id(tensor), None)
+        if slot is None:
+            self._release_other(tensor, stream)
+            return True
+        if self._cuda:
+            stream = self._consumer_stream(tensor, stream)
+        if slot.saved_refs or slot.holds:
+            with self._lock:  # re-checked under the lock the readers' completions take: no lost release
+                if slot.saved_refs or slot.holds:
+                    slot.pending = True
+                    self._deferred += 1
+                    if self._cuda:
+                        self._mark(slot, stream)
+                    return False
+        if self._cuda:
+            self._gpu_waits += self._record_release(slot, stream)
+        slot.live = None
+        self._held -= 1
+        self._releases += 1
+        return True
 
     def hold(self, tensor: torch.Tensor) -> Hold:
         """A :class:`Hold` on the slot ``tensor`` aliases: its release waits for ``hold.done(stream)``.
@@ -343,8 +352,8 @@ class BufferRing(RingLifecycle):
         """A snapshot of this ring's counters."""
         return RingStats(
             acquisitions=self._acquisitions,
-            releases=self._releases,
-            gpu_waits=self._gpu_waits,
+            releases=self._releases + self._deferred_freed,
+            gpu_waits=self._gpu_waits + self._deferred_waits,
             peak_held=self._peak_held,
             persistent_bytes=self.persistent_bytes,
             deferred_releases=self._deferred,
@@ -356,7 +365,7 @@ class BufferRing(RingLifecycle):
     @property
     def held(self) -> int:
         """Acquisitions not yet released (deferred ones and fallback allocations included)."""
-        return self._held + len(self._fallback)
+        return self._held - self._deferred_freed + len(self._fallback)
 
     @property
     def phase(self) -> Phase:
@@ -368,74 +377,23 @@ class BufferRing(RingLifecycle):
         """Slot the next ``acquire`` tries first."""
         return self._cursor
 
-    # --- tracking (called by bufreuse.pool.tracking, any thread) ----------------------------------------
-
-    def _track(self, tensor: torch.Tensor, ptr: int, strict: bool) -> Any:
-        with self._lock:
-            slot = self._slot_for(tensor, ptr)
-            if slot.live is None:
-                if strict:
-                    raise SavedForBackwardError(
-                        f"ring '{self.name}' slot {slot.index}: a tensor aliasing a released slot (last "
-                        f"generation {slot.generation}) is being saved for backward; its data may be overwritten "
-                        "by the next acquisition. Keep the buffer acquired (release_when_unsaved), or save a copy"
-                    )
-                return tensor
-            slot.saved_refs += 1
-            return _SavedRef(tensor, self, slot, self._epoch)
-
-    def _untrack(self, slot: _Slot, generation: int, epoch: int) -> None:
-        with self._lock:
-            if epoch != self._epoch or slot.generation != generation or slot.saved_refs <= 0:
-                return
-            slot.saved_refs -= 1
-            self._reader_done(slot, None)
-
-    def _hold_done(self, slot: _Slot, generation: int, epoch: int, stream: Any) -> None:
-        with self._lock:
-            if epoch != self._epoch or slot.generation != generation or slot.holds <= 0:
-                return
-            slot.holds -= 1
-            if self._cuda and stream is not None and self.debug:
-                self._check_stream(stream)
-            self._reader_done(slot, stream)
-
-    def _reader_done(self, slot: _Slot, stream: Any) -> None:
-        if self._cuda and stream is None:
-            stream = self._ops.current_stream()
-        if slot.pending and not slot.saved_refs and not slot.holds:
-            self._free(slot, stream)
-        elif self._cuda:
-            self._mark(slot, stream)  # the final release joins this reader's stream
-
     # --- internals ------------------------------------------------------------------------------------
 
-    def _free(self, slot: _Slot, stream: Any) -> None:
-        if self._cuda:
-            if slot.marks:
-                for mark_stream, event in slot.marks:
-                    if mark_stream is not stream:
-                        self._ops.wait(event, stream)
-                        self._gpu_waits += 1
-                    self._spare_events.append(event)
-                slot.marks.clear()
-            event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
-            self._ops.record(event, stream)
-            slot.wait_on = event
-            slot.wait_stream = stream
-        slot.pending = False
-        slot.live = None
-        self._held -= 1
-        self._releases += 1
-
-    def _mark(self, slot: _Slot, stream: Any) -> None:
-        for mark_stream, event in slot.marks:
-            if mark_stream is stream:  # re-recording on the same stream still covers the earlier reads
-                self._ops.record(event, stream)
-                return
-        event = self._spare_events.pop() if self._spare_events else self._ops.new_event()
+    def _record_release(self, slot: _Slot, stream: Any) -> int:
+        """Record the slot's release event on ``stream`` after joining earlier readers; the waits added."""
+        waits = 0
+        if slot.marks:
+            for mark_stream, event in slot.marks:
+                if mark_stream is not stream:
+                    self._ops.wait(event, stream)
+                    waits += 1
+                self._spare_events.append(event)
+            slot.marks.clear()
+        event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
         self._ops.record(event, stream)
-        slot.marks.append((stream, event))
+        slot.wait_on = event
+        slot.wait_stream = stream
+        return waits
 
     def _consumer_stream(self, tensor: torch.Tensor, stream: Any) -> Any:
         if stream is None:
@@ -457,111 +415,6 @@ class BufferRing(RingLifecycle):
             return self._slots[first]
         offset = max(tensor.storage_offset(), 0) * tensor.element_size()
         return self._slots[first + min(offset // self.slot_bytes, count - 1)]
-
-    def _next_free(self) -> _Slot | None:
-        n = self.num_slots
-        for step in range(1, n):
-            slot = self._slots[(self._cursor + step) % n]
-            if slot.live is None:
-                return slot
-        return self._exhausted()
-
-    def _exhausted(self) -> _Slot | None:
-        slot, need = self._slots[self._cursor], self._held + 1
-        capturing = self._phase is Phase.CAPTURING or (self._cuda and is_capturing(self.device))
-        growable = self.max_bytes is not None
-        fits = growable and (self.num_slots + 1) * self.slot_bytes <= self.max_bytes
-        if capturing and (growable or self.on_exhausted == "allocate"):
-            raise CaptureStateError(
-                f"ring '{self.name}': every slot is held under CUDA-graph capture and the ring cannot grow or "
-                f"allocate there; this schedule needs at least {need} slots: warm up eagerly with the same "
-                "schedule first (num_slots='auto' grows then) or raise the slot count"
-            )
-        if growable and not self._frozen and fits:
-            return self._grow(need)
-        if self.on_exhausted == "allocate":
-            return None
-        if growable and not self._frozen:
-            why = (
-                f"num_slots='auto' reached its cap max_bytes={self.max_bytes} "
-                f"({self.num_slots} slot(s) of {self.slot_bytes} bytes)"
-            )
-            fix = f"raise max_bytes to >= {need * self.slot_bytes}"
-        elif growable:
-            why = f"num_slots='auto' settled at {self.num_slots} slot(s) at prepare_capture and no longer grows"
-            fix = f"warm up with the deepest schedule before capture, or register >= {need} slots"
-        else:
-            why = f"all {self.num_slots} slot(s) are in use"
-            fix = f"raise the slot count to >= {need}"
-        raise EarlyReuseError(
-            f"ring '{self.name}': slot {slot.index} (generation {slot.generation}) is {slot.state()}; {why}; "
-            f"this schedule needs at least {need} slots (acquisitions outstanding + 1): {fix}, or release each "
-            "buffer after its final reader (release_when_unsaved)",
-            ring=self.name,
-            slot=slot.index,
-            generation=slot.generation,
-            min_depth=need,
-        )
-
-    def _grow(self, need: int) -> _Slot:
-        storage = torch.empty(self._stride, dtype=self.dtype, device=self.device)
-        ptr = storage.untyped_storage().data_ptr()
-        slot = self._new_slot(self.num_slots, storage, 0)
-        self._storages.append(storage)
-        self._slot_map[ptr] = (slot.index, 1)
-        self._registry[ptr] = self
-        self._slots.append(slot)
-        self.num_slots += 1
-        self.persistent_bytes += self.slot_bytes
-        self._grown += 1
-        _log.info(
-            "bufreuse: ring '%s' grew to %d slots (%d bytes of max_bytes=%d): %d acquisitions were outstanding",
-            self.name, self.num_slots, self.persistent_bytes, self.max_bytes, need - 1,
-        )  # fmt: skip
-        return slot
-
-    def _fallback_acquire(self, shape: Sequence[int] | None, stream: Any) -> torch.Tensor:
-        size = self.max_shape if shape is None or shape == self.max_shape else (self._rows(shape), *self.max_shape[1:])
-        if self._cuda:
-            if stream is None:
-                stream = self._ops.current_stream()
-            if self._ops.stream_is_current(stream):
-                tensor = torch.empty(size, dtype=self.dtype, device=self.device)
-            else:
-                with torch.cuda.stream(stream):
-                    tensor = torch.empty(size, dtype=self.dtype, device=self.device)
-        else:
-            tensor = torch.empty(size, dtype=self.dtype, device=self.device)
-        self._fallback[id(tensor)] = (tensor, stream)
-        self._fallbacks += 1
-        self._acquisitions += 1
-        held = self._held + len(self._fallback)
-        if held > self._peak_held:
-            self._peak_held = held
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"bufreuse: ring '{self.name}': all {self.num_slots} slot(s) held ({held} acquisitions "
-                "outstanding); serving acquisitions from the caching allocator (on_exhausted='allocate'). "
-                "Counted in stats().fallback_allocations; warned once per ring",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return tensor
-
-    def _release_other(self, tensor: Any, stream: Any) -> None:
-        entry = self._fallback.pop(id(tensor), None)
-        if entry is not None and entry[0] is tensor:
-            if self._cuda:
-                stream = self._ops.current_stream() if stream is None else stream
-                if stream is not entry[1]:
-                    tensor.record_stream(stream)
-            self._fallback_done[id(tensor)] = tensor
-            self._releases += 1
-            return
-        if entry is not None:
-            self._fallback[id(tensor)] = entry
-        raise self._bad_release(tensor)
 
     def _rows(self, shape: Sequence[int]) -> int:
         bound = self.max_shape

@@ -49,6 +49,7 @@ class RingLifecycle:
     _gpu_waits: int
     _cursor: int
     _held: int
+    _deferred_freed: int
     _epoch: int
     _by_id: dict
     _gen_tags: dict
@@ -62,14 +63,15 @@ class RingLifecycle:
         Raises:
             CaptureStateError: a slot (deferred releases included) or a fallback allocation is held.
         """
-        if self._held or self._fallback:
+        held_slots = self._held - self._deferred_freed
+        if held_slots or self._fallback:
             held = ", ".join(
                 f"slot {s.index} (generation {s.generation}) {s.state()}" for s in self._slots if s.live is not None
             )
             if self._fallback:
                 held += f"{', ' if held else ''}{len(self._fallback)} fallback allocation(s)"
             raise CaptureStateError(
-                f"ring '{self.name}': {what} with {self._held + len(self._fallback)} acquisition(s) held: {held}; "
+                f"ring '{self.name}': {what} with {held_slots + len(self._fallback)} acquisition(s) held: {held}; "
                 "release them first"
             )
 
@@ -198,7 +200,7 @@ class RingLifecycle:
         self._by_id.clear()
         self._gen_tags.clear()
         self._fallback.clear()
-        self._held = 0
+        self._held = self._deferred_freed  # held = _held - _deferred_freed = 0
 
     def _join_releases(self, stream: Any) -> None:
         for slot in self._slots:

@@ -39,7 +39,7 @@ from bufreuse.pool.errors import SavedForBackwardError
 if TYPE_CHECKING:
     from bufreuse.pool.ring import BufferRing, _Slot
 
-__all__ = ["Hold", "track_saved"]
+__all__ = ["Hold", "SavedRefCounting", "track_saved"]
 
 
 class _SavedRef:
@@ -125,6 +125,73 @@ class Hold:
             where = f"ring '{self._ring.name if self._ring else '?'}' slot {self._slot.index}"
             return f"Hold({where}, generation {self._generation}, active={self.active})"
         return f"Hold(allocator tensor, active={self.active})"
+
+
+class SavedRefCounting:
+    """The ring side of the counting (a mixin of :class:`BufferRing`): called from pack, from a holder's
+    ``__del__`` and from ``Hold.done``, on any thread, under the ring's lock."""
+
+    name: str
+    debug: bool
+    _slots: list[_Slot]
+    _lock: Any
+    _epoch: int
+    _cuda: bool
+    _ops: Any
+    _spare_events: list[Any]
+    _deferred_freed: int
+    _deferred_waits: int
+
+    def _track(self, tensor: torch.Tensor, ptr: int, strict: bool) -> Any:
+        with self._lock:
+            slot = self._slot_for(tensor, ptr)
+            if slot.live is None:
+                if strict:
+                    raise SavedForBackwardError(
+                        f"ring '{self.name}' slot {slot.index}: a tensor aliasing a released slot (last "
+                        f"generation {slot.generation}) is being saved for backward; its data may be overwritten "
+                        "by the next acquisition. Keep the buffer acquired (release_when_unsaved), or save a copy"
+                    )
+                return tensor
+            slot.saved_refs += 1
+            return _SavedRef(tensor, self, slot, self._epoch)
+
+    def _untrack(self, slot: _Slot, generation: int, epoch: int) -> None:
+        with self._lock:
+            if epoch != self._epoch or slot.generation != generation or slot.saved_refs <= 0:
+                return
+            slot.saved_refs -= 1
+            self._reader_done(slot, None)
+
+    def _hold_done(self, slot: _Slot, generation: int, epoch: int, stream: Any) -> None:
+        with self._lock:
+            if epoch != self._epoch or slot.generation != generation or slot.holds <= 0:
+                return
+            slot.holds -= 1
+            if self._cuda and stream is not None and self.debug:
+                self._check_stream(stream)
+            self._reader_done(slot, stream)
+
+    def _reader_done(self, slot: _Slot, stream: Any) -> None:
+        if self._cuda and stream is None:
+            stream = self._ops.current_stream()
+        if slot.pending and not slot.saved_refs and not slot.holds:
+            if self._cuda:
+                self._deferred_waits += self._record_release(slot, stream)
+            slot.pending = False
+            slot.live = None  # last: acquire (no lock) sees the event before the free slot
+            self._deferred_freed += 1  # the hot path's counters are never written from here
+        elif self._cuda:
+            self._mark(slot, stream)  # the final release joins this reader's stream
+
+    def _mark(self, slot: _Slot, stream: Any) -> None:
+        for mark_stream, event in slot.marks:
+            if mark_stream is stream:  # re-recording on the same stream still covers the earlier reads
+                self._ops.record(event, stream)
+                return
+        event = self._spare_events.pop() if self._spare_events else self._ops.new_event()
+        self._ops.record(event, stream)
+        slot.marks.append((stream, event))
 
 
 @contextmanager
