@@ -191,7 +191,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             slot = self._next_free()
             if slot is None:
                 return self._fallback_acquire(shape, stream)
-        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base (~1 us).
+        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base.
         view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
         if self._cuda:
             if stream is None:
