@@ -247,7 +247,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                 "reader) still reads. Use release_when_unsaved() to release at the true last reader"
             )
         if self._cuda:
-            stream = self._consumer_stream(tensor, stream)
+            stream = self._consumer_stream(tensor, stream, slot)
             self._gpu_waits += self._record_release(slot, stream)
         slot.live = None
         self._held -= 1
@@ -277,7 +277,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             self._release_other(tensor, stream)
             return True
         if self._cuda:
-            stream = self._consumer_stream(tensor, stream)
+            stream = self._consumer_stream(tensor, stream, slot)
         if slot.saved_refs or slot.holds:
             with self._lock:  # re-checked under the lock the readers' completions take: no lost release
                 if slot.saved_refs or slot.holds:
@@ -395,13 +395,17 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         slot.wait_stream = stream
         return waits
 
-    def _consumer_stream(self, tensor: torch.Tensor, stream: Any) -> Any:
+    def _consumer_stream(self, tensor: torch.Tensor, stream: Any, slot: _Slot) -> Any:
         if stream is None:
             return self._ops.current_stream()
         if self.debug:
-            self._check_stream(stream)
-            if tensor.device != self.device:
-                raise ForeignTensorError(f"ring '{self.name}': tensor on {tensor.device}, ring on {self.device}")
+            try:
+                self._check_stream(stream)
+                if tensor.device != self.device:
+                    raise ForeignTensorError(f"ring '{self.name}': tensor on {tensor.device}, ring on {self.device}")
+            except (InvalidStreamError, ForeignTensorError):
+                self._by_id[id(tensor)] = slot  # the release did not happen: still the caller's
+                raise
         return stream
 
     def _new_slot(self, index: int, storage: torch.Tensor, offset: int) -> _Slot:
