@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +23,7 @@ from bufreuse.pool import (
     DoubleReleaseError,
     EarlyReuseError,
     ForeignTensorError,
+    Hold,
     Phase,
     Policy,
     RingConfigError,
@@ -237,7 +242,9 @@ def test_stats_and_persistent_bytes_are_slot_aligned():
     ring.release(a)
     ring.release(b)
     ring.acquire()
-    assert ring.stats == RingStats(acquisitions=3, releases=2, gpu_waits=0, peak_held=2, persistent_bytes=1536)
+    assert ring.stats == RingStats(
+        acquisitions=3, releases=2, gpu_waits=0, peak_held=2, persistent_bytes=1536, settled_slots=3
+    )
     assert (b.data_ptr() - a.data_ptr()) % SLOT_ALIGN_BYTES == 0
 
 
@@ -477,8 +484,8 @@ def test_guard_ignores_non_ring_tensors():
 
 
 def test_torch_inplace_overwrite_of_saved_slot_is_caught_by_version_counter():
-    """Without the guard, a torch in-place write into a later acquisition bumps the slot's shared version
-    counter, so autograd refuses the stale saved view (pointer writes by kernels would not: see GPU test d)."""
+    """Without the guard, a torch in-place write into a later acquisition of the SAME slot bumps that
+    slot's version counter, so autograd refuses the stale saved alias (pointer writes would not)."""
     pool, weight, inputs = _linear_setup(1)
     x = pool.acquire("dispatch_output", (4, 3))
     x.copy_(inputs[0])
@@ -487,6 +494,448 @@ def test_torch_inplace_overwrite_of_saved_slot_is_caught_by_version_counter():
     pool.acquire("dispatch_output", (4, 3)).copy_(inputs[1])
     with pytest.raises(RuntimeError, match="inplace operation"):
         y.sum().backward()
+
+
+# --- independent slots --------------------------------------------------------------------------------
+
+
+def test_slots_have_independent_version_counters():
+    ring = _ring(2)
+    a, b = ring.acquire(), ring.acquire()
+    before = a._version
+    b.add_(1.0)  # an in-place torch write into slot 1
+    assert a._version == before and b._version == before + 1
+    assert ring.slot_of(a) == 0 and ring.slot_of(b) == 1 and ring.slot_of(b[3:]) == 1
+
+
+def test_write_into_other_slot_leaves_saved_alias_valid():
+    pool, weight, inputs = _linear_setup(2)
+    x = pool.acquire("dispatch_output", (4, 3))
+    x.copy_(inputs[0])
+    y = F.linear(x, weight)
+    pool.acquire("dispatch_output", (4, 3)).copy_(inputs[1])  # slot 1: must not trip slot 0's saved alias
+    y.sum().backward()
+    assert torch.equal(weight.grad, torch.ones(4, 2).T @ inputs[0])
+
+
+# --- release by fact: track_saved, release_when_unsaved, hold -----------------------------------------
+
+
+def _one_slot_pool(*, debug: bool = False) -> tuple[BufferPool, BufferRing]:
+    pool = BufferPool("cpu", debug=debug)
+    pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(4, 3), dtype=torch.float32)
+    return pool, pool.get("dispatch_output")
+
+
+@pytest.mark.parametrize("order", ["backward-then-hold", "hold-then-backward"])
+def test_release_when_unsaved_releases_when_last_saved_ref_and_hold_are_gone(order):
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        y = F.linear(x, weight)  # saves x (a view of slot 0) for weight's gradient
+    hold = pool.hold("dispatch_output", x)  # a deferred wgrad-like reader
+    assert pool.release_when_unsaved("dispatch_output", x) is False
+    assert ring.held == 1 and not pool.owns("dispatch_output", x)
+    with pytest.raises(EarlyReuseError, match=r"release deferred, 1 autograd-saved reference.*1 hold"):
+        pool.acquire("dispatch_output")
+    first, second = (lambda: y.sum().backward(), hold.done)
+    if order == "hold-then-backward":
+        first, second = second, first
+    first()
+    assert ring.held == 1
+    with pytest.raises(EarlyReuseError):
+        pool.acquire("dispatch_output")
+    second()
+    assert ring.held == 0 and ring.stats.deferred_releases == 1 and ring.stats.releases == 1
+    pool.release("dispatch_output", pool.acquire("dispatch_output"))
+
+
+def test_release_when_unsaved_with_nothing_saved_releases_now():
+    pool, ring = _one_slot_pool()
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        (x * 2).sum()  # nothing requires grad: nothing saved
+    assert pool.release_when_unsaved("dispatch_output", x) is True
+    assert ring.held == 0 and ring.stats.deferred_releases == 0
+    with pytest.raises(DoubleReleaseError):
+        pool.release_when_unsaved("dispatch_output", x)
+
+
+def test_release_when_unsaved_twice_while_deferred_raises_double_release():
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        y = F.linear(x, weight)
+    pool.release_when_unsaved("dispatch_output", x)
+    with pytest.raises(DoubleReleaseError, match="release deferred"):
+        pool.release("dispatch_output", x)
+    del y
+    assert ring.held == 0
+
+
+def test_dropped_graph_completes_deferred_release():
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        y = F.linear(x[:2], weight)  # a view of the acquisition is ring storage too
+    pool.release_when_unsaved("dispatch_output", x)
+    assert ring.held == 1
+    del y  # the graph (and its saved reference) is dropped without backward
+    assert ring.held == 0
+
+
+def test_saved_ref_freed_on_another_thread_completes_deferred_release():
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        y = F.linear(x, weight)
+    pool.release_when_unsaved("dispatch_output", x)
+    worker = threading.Thread(target=lambda: y.sum().backward())
+    worker.start()
+    worker.join()
+    assert ring.held == 0 and ring.stats.releases == 1
+
+
+def test_plain_release_with_tracked_saved_ref_or_hold_raises_in_production():
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        y = F.linear(x, weight)
+    with pytest.raises(SavedForBackwardError, match="release_when_unsaved"):
+        pool.release("dispatch_output", x)
+    y.sum().backward()
+    hold = pool.hold("dispatch_output", x)
+    with pytest.raises(SavedForBackwardError, match="1 hold"):
+        pool.release("dispatch_output", x)
+    with hold:
+        pass
+    assert not hold.active
+    pool.release("dispatch_output", x)
+    assert ring.held == 0
+
+
+def test_hold_done_is_idempotent_and_hold_of_released_slot_raises():
+    pool, ring = _one_slot_pool()
+    x = pool.acquire("dispatch_output")
+    hold = pool.hold("dispatch_output", x)
+    assert isinstance(hold, Hold) and hold.active
+    pool.release_when_unsaved("dispatch_output", x)
+    hold.done()
+    hold.done()
+    assert ring.held == 0
+    with pytest.raises(StaleAliasError, match="hold of a released slot"):
+        pool.hold("dispatch_output", x)
+
+
+def test_track_saved_passes_non_ring_tensors_and_stale_aliases_in_production():
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    x = pool.acquire("dispatch_output")
+    pool.release("dispatch_output", x)
+    with pool.track_saved():
+        F.linear(torch.randn(4, 3), weight)
+        y = F.linear(x, weight)  # a stale alias: not counted (strict mode raises instead)
+    assert ring._slots[0].saved_refs == 0
+    y.sum().backward()
+
+
+def test_allocator_policies_take_release_when_unsaved_and_hold():
+    pool = BufferPool("cpu")
+    pool.register("expert_fc2_output", policy="record-stream", max_shape=(4, 3), dtype=torch.float32)
+    weight = torch.randn(2, 3, requires_grad=True)
+    with pool.track_saved():
+        x = pool.acquire("expert_fc2_output")
+        y = F.linear(x, weight)
+    hold = pool.hold("expert_fc2_output", x)
+    assert pool.release_when_unsaved("expert_fc2_output", x) is True
+    y.sum().backward()
+    hold.done()
+    assert pool.get("expert_fc2_output").held == 0
+
+
+def test_deferred_releases_from_a_backward_thread_keep_counts_consistent():
+    """Backward (freeing saved refs) on a worker thread while the main thread acquires and releases."""
+    import queue
+    import sys
+
+    pool = BufferPool("cpu")
+    pool.register("dispatch_output", policy="ring", num_slots=4, max_shape=(4, 3), dtype=torch.float32)
+    ring = pool.get("dispatch_output")
+    weight = torch.randn(2, 3, requires_grad=True)
+    todo: queue.Queue = queue.Queue()
+    worker = threading.Thread(target=lambda: [loss.backward() for loss in iter(todo.get, None)])
+    old, n = sys.getswitchinterval(), 300
+    sys.setswitchinterval(1e-6)
+    try:
+        worker.start()
+        for _ in range(n):
+            while True:
+                try:
+                    x = pool.acquire("dispatch_output")
+                    break
+                except EarlyReuseError:
+                    time.sleep(1e-4)
+            with pool.track_saved():
+                loss = F.linear(x, weight).sum()
+            if ring.held < 4:  # a plain pair on another slot, racing the worker's deferred releases
+                pool.release("dispatch_output", pool.acquire("dispatch_output"))
+            pool.release_when_unsaved("dispatch_output", x)
+            todo.put(loss)
+            del loss
+        todo.put(None)
+        worker.join()
+    finally:
+        sys.setswitchinterval(old)
+    stats = ring.stats
+    assert ring.held == 0 and stats.releases == stats.acquisitions and stats.deferred_releases > 0
+
+
+# --- a bf16-like expert linear over interleaved schedules ---------------------------------------------
+
+_W0 = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+_INPUTS = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + m)) for m in range(4)]
+SCHEDULES = {
+    "F0 B0 F1 B1 F2 B2": 1,
+    "F0 F1 B0 F2 B1 F3 B2 B3": 2,
+    "F0 F1 F2 B0 B1 B2": 3,
+}
+
+
+def _run_schedule(schedule: str, pool: BufferPool | None, *, release: str = "unsaved") -> torch.Tensor:
+    """Weight gradient of a linear fed from the dispatch buffer (a pool ring, or torch.empty if None).
+
+    The buffer is written by pointer (``.data``: no version-counter bump, like a DeepEP dispatch), so only
+    the release point keeps backward from reading another microbatch's data.
+    """
+    weight = _W0.clone().requires_grad_()
+    losses: dict[int, torch.Tensor] = {}
+    for op in schedule.split():
+        m = int(op[1:])
+        if op[0] == "B":
+            losses.pop(m).backward()
+            continue
+        d = torch.empty(4, 3) if pool is None else pool.acquire("dispatch_output", (4, 3))
+        d.data.copy_(_INPUTS[m])
+        with pool.track_saved() if pool is not None else contextlib.nullcontext():
+            y = F.linear(d, weight)  # saves d for weight's gradient, as the bf16 expert GEMM does
+        if pool is not None:
+            if release == "unsaved":
+                pool.release_when_unsaved("dispatch_output", d)
+            else:
+                pool.release("dispatch_output", d)
+        losses[m] = (y * (m + 1)).sum()
+    assert weight.grad is not None
+    return weight.grad
+
+
+def _schedule_pool(slots: int | str, *, debug: bool, **kw) -> BufferPool:
+    pool = BufferPool("cpu", debug=debug)
+    pool.register("dispatch_output", policy="ring", num_slots=slots, max_shape=(4, 3), dtype=torch.float32, **kw)
+    return pool
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_release_when_unsaved_schedule_gradients_bit_equal_to_torch_empty(schedule, debug, monkeypatch):
+    monkeypatch.delenv("BUFREUSE_DEBUG", raising=False)
+    expected = _run_schedule(schedule, None)
+    pool = _schedule_pool(SCHEDULES[schedule], debug=debug)
+    assert torch.equal(_run_schedule(schedule, pool), expected)
+    ring = pool.get("dispatch_output")
+    assert ring.held == 0 and ring.stats.deferred_releases == len(schedule.split()) // 2
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_release_when_unsaved_schedule_one_slot_short_raises_early_reuse(debug):
+    pool = _schedule_pool(1, debug=debug)
+    with pytest.raises(EarlyReuseError, match="at least 2 slots") as info:
+        _run_schedule("F0 F1 B0 F2 B1 F3 B2 B3", pool)
+    assert info.value.min_depth == 2
+
+
+def test_plain_release_after_forward_with_pointer_writes_corrupts_gradients_silently():
+    """The hazard release_when_unsaved removes: no error, wrong gradients (why the count must be a fact)."""
+    expected = _run_schedule("F0 F1 B0 F2 B1 F3 B2 B3", None)
+    pool = _schedule_pool(1, debug=False)
+    pool.track_saved = contextlib.nullcontext  # type: ignore[method-assign]  # untracked, as before issue 13
+    assert not torch.equal(_run_schedule("F0 F1 B0 F2 B1 F3 B2 B3", pool, release="plain"), expected)
+
+
+# --- recovery ----------------------------------------------------------------------------------------
+
+
+def test_reset_after_early_reuse_mid_step_recovers_and_keeps_storage():
+    pool, ring = _one_slot_pool()
+    weight = torch.randn(2, 3, requires_grad=True)
+    ptr = ring._storage_ptr
+    with pool.track_saved():
+        x = pool.acquire("dispatch_output")
+        y = F.linear(x, weight)
+    pool.release_when_unsaved("dispatch_output", x)
+    hold = pool.hold("dispatch_output", x)
+    with pytest.raises(EarlyReuseError):
+        pool.acquire("dispatch_output")  # the step dies here, slot stranded
+    pool.reset()
+    assert ring.held == 0 and ring.cursor == 0 and ring.phase is Phase.EAGER and ring._storage_ptr == ptr
+    z = pool.acquire("dispatch_output")  # a new generation of the same storage
+    del y  # the old graph's saved reference and hold are forgotten: they must not release z
+    hold.done()
+    assert ring.held == 1 and pool.owns("dispatch_output", z)
+    pool.release("dispatch_output", z)
+
+
+def test_reset_returns_pool_to_eager_after_a_graphed_phase():
+    pool = _pool()
+    with pool.graph_capture(None):
+        pool.release("dispatch_output", pool.acquire("dispatch_output", BOUND))
+    assert pool.phase is Phase.GRAPHED
+    pool.reset()
+    assert pool.phase is Phase.EAGER
+    pool.release("dispatch_output", pool.acquire("dispatch_output", BOUND))
+
+
+# --- on_exhausted='allocate' ---------------------------------------------------------------------------
+
+
+def test_on_exhausted_allocate_warns_once_counts_and_releases():
+    pool = BufferPool("cpu")
+    pool.register(
+        "dispatch_output", policy="ring", num_slots=1, max_shape=BOUND, dtype=torch.float32, on_exhausted="allocate"
+    )
+    ring = pool.get("dispatch_output")
+    a = pool.acquire("dispatch_output")
+    with pytest.warns(RuntimeWarning, match="on_exhausted='allocate'"):
+        b = pool.acquire("dispatch_output", (3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = pool.acquire("dispatch_output")
+    assert b.shape == (3, 4) and not pool.is_ring_storage(b) and not pool.is_ring_storage(c)
+    assert pool.owns("dispatch_output", b) and ring.held == 3
+    hold = pool.hold("dispatch_output", b)
+    assert pool.release_when_unsaved("dispatch_output", b) is True
+    hold.done()
+    pool.release("dispatch_output", c)
+    pool.release("dispatch_output", a)
+    with pytest.raises(DoubleReleaseError):
+        pool.release("dispatch_output", c)
+    stats = ring.stats
+    assert (stats.fallback_allocations, stats.acquisitions, stats.releases, stats.peak_held) == (2, 3, 3, 3)
+    assert ring.held == 0
+
+
+def test_on_exhausted_allocate_under_capture_raises_capture_state():
+    pool = BufferPool("cpu")
+    pool.register(
+        "dispatch_output", policy="ring", num_slots=1, max_shape=BOUND, dtype=torch.float32, on_exhausted="allocate"
+    )
+    with pytest.raises(CaptureStateError, match="at least 2 slots"), pool.graph_capture(None):
+        pool.acquire("dispatch_output")
+        pool.acquire("dispatch_output")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"on_exhausted": "grow"},
+        {"num_slots": 2, "max_bytes": 4096},
+        {"num_slots": "auto"},
+        {"num_slots": "auto", "max_bytes": 100},
+        {"num_slots": "auto", "initial_slots": 0, "max_bytes": 4096},
+    ],
+)
+def test_register_bad_exhaustion_or_auto_arguments_raise(kw):
+    args = {"num_slots": 1, **kw}
+    with pytest.raises(RingConfigError):
+        BufferPool("cpu").register("dispatch_output", policy="ring", max_shape=BOUND, dtype=torch.float32, **args)
+
+
+# --- num_slots='auto' ---------------------------------------------------------------------------------
+
+
+def test_auto_depth_grows_in_eager_up_to_cap_then_names_it(caplog):
+    pool = _schedule_pool("auto", debug=False, initial_slots=1, max_bytes=3 * 512)
+    ring = pool.get("dispatch_output")
+    with caplog.at_level(logging.INFO, logger="bufreuse.pool"):
+        held = [pool.acquire("dispatch_output") for _ in range(3)]
+    assert [r.getMessage().split(" grew to ")[1][:7] for r in caplog.records] == ["2 slots", "3 slots"]
+    assert ring.stats.grown == 2 and ring.stats.settled_slots == 3 and ring.persistent_bytes == 3 * 512
+    assert [ring.slot_of(t) for t in held] == [0, 1, 2] and all(pool.is_ring_storage(t) for t in held)
+    with pytest.raises(EarlyReuseError, match=r"max_bytes=1536.*at least 4 slots") as info:
+        pool.acquire("dispatch_output")
+    assert info.value.min_depth == 4
+    for t in held:
+        pool.release("dispatch_output", t)
+
+
+def test_auto_depth_grown_slots_are_tracked_and_independent():
+    pool = _schedule_pool("auto", debug=False, initial_slots=1, max_bytes=4096)
+    weight = torch.randn(2, 3, requires_grad=True)
+    a = pool.acquire("dispatch_output")
+    with pool.track_saved():
+        b = pool.acquire("dispatch_output")  # grown: its own storage
+        y = F.linear(b, weight)
+    a.add_(1.0)
+    pool.release("dispatch_output", a)
+    assert pool.release_when_unsaved("dispatch_output", b) is False
+    y.sum().backward()
+    assert pool.get("dispatch_output").held == 0
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_auto_depth_settles_on_schedule_depth_with_bit_equal_gradients(debug, caplog):
+    schedule = "F0 F1 F2 B0 B1 B2"
+    pool = _schedule_pool("auto", debug=debug, initial_slots=1, max_bytes=8 * 512)
+    assert torch.equal(_run_schedule(schedule, pool), _run_schedule(schedule, None))
+    ring = pool.get("dispatch_output")
+    with caplog.at_level(logging.INFO, logger="bufreuse.pool"):
+        pool.prepare_capture()
+    assert ring.stats.settled_slots == SCHEDULES[schedule] and "settled at 3 slots" in caplog.text
+    with pytest.raises(CaptureStateError, match="cannot grow"):
+        for _ in range(4):
+            pool.acquire("dispatch_output")
+    pool.reset()
+    with pool.graph_capture(None):
+        pool.release("dispatch_output", pool.acquire("dispatch_output"))
+    pool.after_replay()
+    held = [pool.acquire("dispatch_output") for _ in range(3)]
+    with pytest.raises(EarlyReuseError, match="settled at 3 slot"):
+        pool.acquire("dispatch_output")
+    assert len(held) == 3 and ring.stats.settled_slots == 3
+
+
+# --- before_replay -------------------------------------------------------------------------------------
+
+
+def test_before_replay_orders_replays_after_eager_use():
+    pool = _pool()
+    with pool.graph_capture(None):
+        pool.release("dispatch_output", pool.acquire("dispatch_output", BOUND))
+    pool.before_replay()  # right after capture: a no-op
+    pool.after_replay()
+    for _ in range(3):  # eager: moves the cursor
+        pool.release("dispatch_output", pool.acquire("dispatch_output", BOUND))
+    held = pool.acquire("dispatch_output", BOUND)
+    with pytest.raises(CaptureStateError, match="before_replay"):
+        pool.before_replay()
+    pool.release("dispatch_output", held)
+    pool.before_replay()
+    assert pool.phase is Phase.GRAPHED and pool.get("dispatch_output").cursor == 0
+    with pytest.raises(CaptureStateError, match="after_replay"):
+        pool.acquire("dispatch_output", BOUND)
+    pool.after_replay()
+    pool.release("dispatch_output", pool.acquire("dispatch_output", BOUND))
+
+
+def test_before_replay_during_capture_raises():
+    pool = _pool()
+    pool.prepare_capture()
+    with pytest.raises(CaptureStateError, match="during a capture"):
+        pool.before_replay()
 
 
 # --- debug mode and watchdog -------------------------------------------------------------------------

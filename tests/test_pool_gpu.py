@@ -4,7 +4,13 @@
 (b) eager warm-up -> capture of a whole two-ring, two-stream step -> replays == eager -> eager again;
 (c) early reuse raises before any kernel is enqueued (a sentinel in the slot stays intact);
 (d) K forwards then K backwards through a bf16 linear fed from an N < K ring: the release point matters;
-(e) the debug watchdog names the ring and slot of a wait that does not finish.
+(e) the debug watchdog names the ring and slot of a wait that does not finish;
+(f) replay -> eager -> replay -> eager on two streams (two rings, fixed and ``auto`` depth), with slow
+    unjoined eager consumers: ``before_replay`` orders every replay; bit-equal to eager every round;
+(g) production mode (no guard, no debug): a bf16 linear fed from a 1-2 slot ring over interleaved
+    schedules, dispatch writing by pointer, slow backward: ``release_when_unsaved`` gives gradients
+    bit-equal to ``torch.empty`` buffers (debug mode too);
+(h) a ``Hold`` (wgrad-like reader on a side stream) keeps the next producer off the slot until done.
 """
 
 from __future__ import annotations
@@ -65,8 +71,15 @@ def test_slow_consumer_reads_what_its_producer_wrote(dev):
     assert ring.stats.gpu_waits == rounds - 2 and ring.stats.peak_held == 1
 
 
-def _step(pool: BufferPool, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, comm, comp) -> None:
-    """One MoE-like step of 4 microbatches: dispatch on comm, experts on comp, combine on comm."""
+def _step(
+    pool: BufferPool, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, comm, comp, *, slow_ms: int = 0,
+    join: bool = True,
+) -> None:  # fmt: skip
+    """One MoE-like step of 4 microbatches: dispatch on comm, experts on comp, combine on comm.
+
+    ``slow_ms`` delays every expert read on comp; ``join=False`` leaves comm/comp unjoined to the current
+    stream (what only the pool's release events can then order against a later replay).
+    """
     cur = torch.cuda.current_stream()
     comm.wait_stream(cur)
     comp.wait_stream(cur)
@@ -77,14 +90,17 @@ def _step(pool: BufferPool, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
         comp.wait_stream(comm)
         y = pool.acquire("expert_fc2_output", (x.shape[1], w.shape[1]), comp)
         with torch.cuda.stream(comp):
+            if slow_ms:
+                torch.cuda._sleep(slow_ms * _CYCLES_PER_MS)
             torch.matmul(d, w, out=y)  # experts: final read of d, write y
         pool.release("dispatch_output", d, comp)
         comm.wait_stream(comp)
         with torch.cuda.stream(comm):
             torch.add(y, float(m), out=out[m])  # combine: final read of y
         pool.release("expert_fc2_output", y, comm)
-    cur.wait_stream(comm)
-    cur.wait_stream(comp)
+    if join:
+        cur.wait_stream(comm)
+        cur.wait_stream(comp)
 
 
 def test_capture_whole_step_replays_equal_eager_then_eager_again(dev):
@@ -213,3 +229,132 @@ def test_debug_watchdog_names_ring_and_slot_of_stuck_wait(dev):
     assert pool.watchdog.reports, "the watchdog did not report a 0.4 s wait with a 0.05 s threshold"
     report = pool.watchdog.reports[0]
     assert "ring 'expert_fc2_output'" in report and "slot 0" in report and "generation 1" in report
+
+
+@pytest.mark.parametrize("depth", ["fixed", "auto"])
+def test_replay_eager_replay_eager_two_streams_bit_equal_every_round(dev, depth):
+    micro, tokens, hidden = 4, 512, 256
+    pool = BufferPool(dev)
+    auto = {"num_slots": "auto", "initial_slots": 1, "max_bytes": 1 << 30}
+    for name in ("dispatch_output", "expert_fc2_output"):
+        slots = {"num_slots": 2} if depth == "fixed" else auto
+        pool.register(name, policy="ring", max_shape=(tokens, hidden), dtype=torch.float32, **slots)
+        deeper = [pool.acquire(name) for _ in range(2)]  # a warm-up holding two at once: auto grows to 2
+        for t in deeper:
+            pool.release(name, t)
+    comm, comp, cur = torch.cuda.Stream(dev), torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    inputs = [torch.randn(micro, tokens, hidden, device=dev, generator=gen) for _ in range(8)]
+    w = torch.randn(hidden, hidden, device=dev, generator=gen)
+    x, out = torch.empty_like(inputs[0]), torch.empty(micro, tokens, hidden, device=dev)
+    x_e, out_e = torch.empty_like(x), torch.empty_like(out)
+
+    expected = []
+    for inp in inputs:  # eager reference and warm-up (auto depth grows here)
+        x.copy_(inp)
+        _step(pool, x, w, out, comm, comp)
+        expected.append(out.clone())
+    torch.cuda.synchronize()
+    graph, capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    with pool.graph_capture(capture_stream), torch.cuda.graph(graph, stream=capture_stream):
+        _step(pool, x, w, out, comm, comp)
+    for rnd in range(3):
+        r_in, e_in = (2 * rnd) % 8, (2 * rnd + 1) % 8
+        pool.before_replay(cur)  # round 0: right after the capture, a no-op
+        x.copy_(inputs[r_in])
+        graph.replay()
+        pool.after_replay(cur)
+        x_e.copy_(inputs[e_in])
+        _step(pool, x_e, w, out_e, comm, comp, slow_ms=20, join=False)  # slow readers, not joined to cur
+        pool.before_replay(cur)  # the next replay must wait for those readers' release events
+        x.copy_(inputs[(r_in + 2) % 8])
+        graph.replay()
+        pool.after_replay(cur)
+        torch.cuda.synchronize()
+        assert torch.equal(out_e, expected[e_in]), f"round {rnd}: eager step read a slot the replay overwrote"
+        assert torch.equal(out, expected[(r_in + 2) % 8]), f"round {rnd}: replay differs from eager"
+    stats = pool.stats()
+    if depth == "auto":
+        assert {s.settled_slots for s in stats.values()} == {2} and {s.grown for s in stats.values()} == {1}
+
+
+def _schedule_grads(dev, schedule: str, pool: BufferPool | None, *, slow_ms: int = 20) -> torch.Tensor:
+    """Weight gradient of a bf16 linear fed from the dispatch buffer over ``schedule`` ("F0 F1 B0 ...").
+
+    Dispatch writes by pointer on comm (no version-counter bump); forward and backward run on comp, each
+    backward behind a ``slow_ms`` sleep, so a slot released at its forward would be overwritten first.
+    """
+    tokens, hidden = 256, 128
+    gen = torch.Generator(device=dev).manual_seed(2)
+    xs = [torch.randn(tokens, hidden, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(4)]
+    weight = torch.randn(hidden, hidden, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    comm, comp = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    comm.wait_stream(torch.cuda.current_stream(dev))
+    comp.wait_stream(torch.cuda.current_stream(dev))
+    losses: dict[int, torch.Tensor] = {}
+    with torch.cuda.stream(comp):
+        for op in schedule.split():
+            m = int(op[1:])
+            if op[0] == "B":
+                torch.cuda._sleep(slow_ms * _CYCLES_PER_MS)
+                losses.pop(m).backward()
+                continue
+            if pool is None:
+                with torch.cuda.stream(comm):
+                    d = torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16)
+            else:
+                d = pool.acquire("dispatch_output", (tokens, hidden), comm)
+            with torch.cuda.stream(comm), torch.autograd._unsafe_preserve_version_counter(d):
+                d.copy_(xs[m])
+            comp.wait_stream(comm)
+            with pool.track_saved() if pool is not None else contextlib.nullcontext():
+                y = F.linear(d, weight)  # saves d for weight's gradient
+            if pool is None:
+                d.record_stream(comp)
+            else:
+                pool.release_when_unsaved("dispatch_output", d, comp)
+            losses[m] = (y.float() * (m + 1)).sum()
+    torch.cuda.synchronize()
+    return weight.grad.clone()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+@pytest.mark.parametrize(
+    ("schedule", "slots"), [("F0 B0 F1 B1 F2 B2", 1), ("F0 F1 B0 F2 B1 F3 B2 B3", 2), ("F0 F1 F2 B0 B1 B2", 3)]
+)
+def test_release_when_unsaved_bf16_schedule_bit_equal_to_torch_empty(dev, schedule, slots, debug, monkeypatch):
+    monkeypatch.delenv("BUFREUSE_DEBUG", raising=False)
+    expected = _schedule_grads(dev, schedule, None)
+    pool = BufferPool(dev, debug=debug)
+    pool.register("dispatch_output", policy="ring", num_slots=slots, max_shape=(256, 128), dtype=torch.bfloat16)
+    got = _schedule_grads(dev, schedule, pool)
+    assert torch.equal(got, expected), "ring gradients differ from torch.empty buffers"
+    ring = pool.get("dispatch_output")
+    assert ring.held == 0 and ring.stats.deferred_releases == len(schedule.split()) // 2
+    assert ring.stats.gpu_waits > 0
+    pool.close()
+
+
+def test_hold_keeps_next_producer_off_the_slot_until_done(dev):
+    pool = BufferPool(dev)
+    pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(1024, 1024), dtype=torch.float32)
+    comm, side = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    d = pool.acquire("dispatch_output", None, comm)
+    with torch.cuda.stream(comm):
+        d.fill_(3.0)
+    hold = pool.hold("dispatch_output", d)
+    assert pool.release_when_unsaved("dispatch_output", d, comm) is False
+    side.wait_stream(comm)
+    seen = torch.empty(1024, 1024, device=dev)
+    with torch.cuda.stream(side):  # a wgrad-like deferred reader, slow, on its own stream
+        torch.cuda._sleep(100 * _CYCLES_PER_MS)
+        seen.copy_(d)
+    with pytest.raises(EarlyReuseError, match="1 hold"):
+        pool.acquire("dispatch_output", None, comm)
+    hold.done(side)
+    again = pool.acquire("dispatch_output", None, comm)  # comm waits on side's release event
+    with torch.cuda.stream(comm):
+        again.fill_(-1.0)
+    torch.cuda.synchronize()
+    assert bool((seen == 3.0).all()), "the next producer overwrote the slot before the held reader read it"
+    pool.release("dispatch_output", again, comm)

@@ -2,9 +2,15 @@
 
 ``run_pool_bench`` times, in one process on one device, ``torch.empty`` + ``record_stream`` + free of
 the bound shape against ``BufferRing.acquire``/``release`` and ``BufferPool.acquire``/``release`` for
-each policy (producer and consumer on two streams, streams passed explicitly as hot paths do).
+each policy (producer and consumer on two streams, streams passed explicitly as hot paths do), and the
+production ring pair: ``acquire`` + ``release_when_unsaved`` inside an active ``track_saved`` scope.
 Variants are interleaved over ``repeats`` rounds and the median is reported. On CPU the same loops run
 with CPU tensors (events are no-ops, no ``record_stream``): figures then say nothing about a GPU host.
+
+Two more rows give the saved-tensor hook cost *per saved tensor* (not per pair): a ``x * w`` forward
+saving two tensors, with ``track_saved`` minus without, halved — once for tensors that are not ring
+storage (pass-through) and once with ``x`` a ring slot (a counting holder made, and freed with the
+graph).
 
 ``probe_external_events`` runs, each in a fresh subprocess with a timeout (a variant may hang), the
 eager <-> CUDA-graph event transitions that the seed built on ``torch.cuda.Event(external=True)``.
@@ -30,7 +36,13 @@ from bufreuse.pool import BufferPool, BufferRing
 __all__ = ["PROBE_VARIANTS", "TARGET_RATIO", "PoolBenchConfig", "probe_external_events", "run_pool_bench"]
 
 TARGET_RATIO = 0.7
-"""Issue 3's target for (ring pair) / (torch.empty + record_stream + free); a first Python ring was 1.77."""
+"""Target for (production ring pair, tracking on) / (torch.empty + record_stream + free)."""
+
+TRACKED_ROW = "BufferPool ring, tracking on (acquire + release_when_unsaved)"
+HOOK_ROWS = (
+    "track_saved pack hook, per saved tensor (not ring storage)",
+    "track_saved pack hook + free, per saved tensor (ring storage)",
+)
 
 Progress = Callable[[int, int], None]
 
@@ -75,11 +87,14 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
         baseline_name: _baseline_loop(shape, dtype, device, consumer),
         "BufferRing.acquire + release": _ring_loop(ring, shape, producer, consumer),
         "BufferPool ring": _pool_loop(pool, "ring", shape, producer, consumer),
+        TRACKED_ROW: _tracked_loop(pool, "ring", shape, producer, consumer),
         "BufferPool stream-ordered": _pool_loop(pool, "stream-ordered", shape, producer, consumer),
         "BufferPool record-stream": _pool_loop(pool, "record-stream", shape, producer, consumer),
     }
     if cuda:
         variants["torch.cuda.current_stream() (reference)"] = _current_stream_loop(device)
+    hooks = _hook_loops(pool, device)
+    variants.update(hooks)
     samples: dict[str, list[float]] = {name: [] for name in variants}
     total, done = cfg.repeats * len(variants), 0
     with torch.cuda.stream(producer) if cuda else _null():
@@ -96,6 +111,9 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
                 if progress is not None:
                     progress(done, total)
     base = statistics.median(samples[baseline_name])
+    for hook_row, bare in zip(HOOK_ROWS, ("_bare_saves", "_bare_saves_ring"), strict=True):
+        base_saves = samples.pop(bare)  # the same forward without hooks; 2 saved tensors per forward
+        samples[hook_row] = [(t - b) / 2 for t, b in zip(samples[hook_row], base_saves, strict=True)]
     rows = [
         {
             "name": name,
@@ -106,8 +124,9 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
         }
         for name, vals in samples.items()
     ]
-    ring_ratio = rows[1]["ratio"]
-    pool_ratio = rows[2]["ratio"]
+    by_name = {row["name"]: row for row in rows}
+    ring_ratio = by_name["BufferRing.acquire + release"]["ratio"]
+    pool_ratio = by_name[TRACKED_ROW]["ratio"]
     return {
         "device": str(device),
         "cpu_tensors": not cuda,
@@ -119,6 +138,12 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
         "rows": rows,
         "ring_ratio": ring_ratio,
         "pool_ratio": pool_ratio,
+        "pool_ratio_row": TRACKED_ROW,
+        "untracked_pool_ratio": by_name["BufferPool ring"]["ratio"],
+        "hook_us_per_saved_tensor": {
+            "not_ring_storage": by_name[HOOK_ROWS[0]]["us_per_pair"],
+            "ring_storage": by_name[HOOK_ROWS[1]]["us_per_pair"],
+        },
         "target_ratio": TARGET_RATIO,
         "meets_target": pool_ratio <= TARGET_RATIO,
         "env": _env(device),
@@ -175,6 +200,42 @@ def _pool_loop(pool: BufferPool, name: str, shape, producer, consumer) -> Callab
             release(name, acquire(name, shape, producer), consumer)
 
     return loop
+
+
+def _tracked_loop(pool: BufferPool, name: str, shape, producer, consumer) -> Callable[[int], None]:
+    acquire, release = pool.acquire, pool.release_when_unsaved
+
+    def loop(n: int) -> None:
+        with pool.track_saved(strict=False):
+            for _ in range(n):
+                release(name, acquire(name, shape, producer), consumer)
+
+    return loop
+
+
+def _hook_loops(pool: BufferPool, device: torch.device) -> dict[str, Callable[[int], None]]:
+    """Forwards ``x * w`` (2 saved tensors) with and without ``track_saved``, plain and ring-storage x."""
+    pool.register("hook_probe", policy="ring", num_slots=1, max_shape=(16,), dtype=torch.float32)
+    w = torch.ones(16, device=device, requires_grad=True)
+    plain = torch.ones(16, device=device, requires_grad=True)
+    slot = pool.acquire("hook_probe")
+    ring_x = slot.requires_grad_()  # ring storage that autograd saves
+
+    def forwards(x: torch.Tensor, tracked: bool) -> Callable[[int], None]:
+        def loop(n: int) -> None:
+            with pool.track_saved(strict=False) if tracked else _null():
+                for _ in range(n):
+                    y = x * w  # saves x and w; y (and its saved holders) freed at the next iteration
+            del y
+
+        return loop
+
+    return {
+        HOOK_ROWS[0]: forwards(plain, True),
+        "_bare_saves": forwards(plain, False),
+        HOOK_ROWS[1]: forwards(ring_x, True),
+        "_bare_saves_ring": forwards(ring_x, False),
+    }
 
 
 def _current_stream_loop(device: torch.device) -> Callable[[int], None]:

@@ -94,14 +94,11 @@ class GraphPhases:
         """Before replaying on ``stream``: order it after every release made by eager use since the capture.
 
         The graph writes the slots without waiting on eager release events, so ``stream`` waits on them
-        here (the pool's ``prepare_capture`` wait, with no capture in between); pools already graphed
-        (no eager use since) cost nothing.
+        here (``BufferPool.before_replay``); pools already graphed (no eager use since) cost nothing.
         """
         stream = _current(stream)
         for pool in self.pools:
-            if pool.phase is Phase.EAGER:
-                pool.prepare_capture(stream)
-                pool.finish_capture()
+            pool.before_replay(stream)
 
     def replay(self, graph: Any, stream: Any = None) -> None:
         """``before_replay`` then ``graph.replay()`` on the current stream."""

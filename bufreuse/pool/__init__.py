@@ -3,8 +3,10 @@
 ``BufferPool`` holds named buffer kinds (``"dispatch_output"``, ``"expert_fc2_output"``), each with a
 :class:`Policy`: ``ring`` (N persistent slots; the producer stream waits on the GPU for the slot's last
 release event), ``record-stream`` (the control: ``torch.empty`` + ``record_stream``) or
-``stream-ordered`` (``torch.empty``; release makes the producer wait on the consumer). Misuse raises a
-:class:`BufferReuseError` subclass before any GPU work. See ``docs/pool.md``.
+````stream-ordered`` (``torch.empty``; release makes the producer wait on the consumer). Releases happen
+at the true last reader: ``release_when_unsaved`` waits for autograd's saved references (counted by
+``track_saved``) and for explicit ``Hold`` readers. Misuse raises a :class:`BufferReuseError` subclass
+before any GPU work. See ``docs/pool.md``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from bufreuse.pool.errors import (
     UnknownBufferError,
 )
 from bufreuse.pool.policy import Policy
-from bufreuse.pool.ring import SLOT_ALIGN_BYTES, BufferRing, Phase, RingStats
+from bufreuse.pool.ring import ON_EXHAUSTED, SLOT_ALIGN_BYTES, BufferRing, Phase, RingStats
+from bufreuse.pool.tracking import Hold
 from bufreuse.pool.watchdog import DEFAULT_WATCHDOG_S, Watchdog
 
 __all__ = [
     "DEFAULT_WATCHDOG_S",
+    "ON_EXHAUSTED",
     "SLOT_ALIGN_BYTES",
     "AllocatingBuffer",
     "BufferPool",
@@ -39,6 +43,7 @@ __all__ = [
     "DoubleReleaseError",
     "EarlyReuseError",
     "ForeignTensorError",
+    "Hold",
     "InvalidStreamError",
     "Phase",
     "Policy",

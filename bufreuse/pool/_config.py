@@ -40,7 +40,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def storage_ptr(tensor: Any) -> int:
-    """Address of ``tensor``'s storage (-1 for anything without one); about 0.3 us."""
+    """Address of ``tensor``'s storage (-1 for anything without one); one attribute call, no copy."""
     try:
         return tensor.untyped_storage().data_ptr()
     except (AttributeError, RuntimeError, TypeError, NotImplementedError):

@@ -1,9 +1,9 @@
 """Thin, fast access to CUDA streams and events; everything is a no-op for CPU tensors.
 
-Why this exists: ``torch.cuda.current_stream()`` costs about 7.4 us per call on the H200 host and
-``Stream.wait_event`` / ``Event.record`` go through two or three Python frames each. The hot path
-therefore looks the current stream up by its raw pointer (about 0.2 us, one dict lookup) and calls the
-C methods of ``torch._C._CudaEventBase`` directly (about 1.5 us each, the CUDA call itself).
+Why this exists: ``torch.cuda.current_stream()`` costs more than the whole ring bookkeeping of an
+acquire+release pair (docs/benchmarks.md) and ``Stream.wait_event`` / ``Event.record`` go through two
+or three Python frames each. The hot path therefore looks the current stream up by its raw pointer (one
+dict lookup) and calls the C methods of ``torch._C._CudaEventBase`` directly (the CUDA call itself).
 """
 
 from __future__ import annotations

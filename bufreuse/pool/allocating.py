@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from bufreuse.pool._config import check_config, resolve_device
-from bufreuse.pool._device import DeviceOps, env_debug
+from bufreuse.pool._device import DeviceOps, env_debug, is_capturing
+from bufreuse.pool._state import Phase, RingStats
 from bufreuse.pool.errors import CaptureStateError, DoubleReleaseError, ForeignTensorError, StaticShapeError
-from bufreuse.pool.ring import Phase, RingStats
+from bufreuse.pool.tracking import Hold
 
 __all__ = ["AllocatingBuffer"]
 
@@ -131,6 +132,18 @@ class AllocatingBuffer:
         key = id(tensor)
         released[key] = weakref.ref(tensor, lambda _r, _k=key, _d=released: _d.pop(_k, None))
 
+    def release_when_unsaved(self, tensor: torch.Tensor, stream: Any = None) -> bool:
+        """``release`` now (returns True): autograd's own reference keeps an allocator block alive, and
+        the policy's stream semantics order its reuse, exactly as in the control."""
+        self.release(tensor, stream)
+        return True
+
+    def hold(self, tensor: torch.Tensor) -> Hold:
+        """A :class:`Hold` keeping ``tensor`` alive; ``done(stream)`` records ``stream`` on it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ForeignTensorError(f"buffer '{self.name}': hold of a {type(tensor).__name__}, not a tensor")
+        return Hold(tensor=tensor)
+
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a live acquisition of this buffer. Pure."""
         entry = self._live.get(id(tensor))
@@ -158,6 +171,15 @@ class AllocatingBuffer:
             persistent_bytes=0,
         )
 
+    def reset(self, *, synchronize: bool = True) -> None:
+        """Forget every acquisition (after an error mid-step) and return to eager; see ``BufferRing.reset``."""
+        if self._cuda and is_capturing(self.device):
+            raise CaptureStateError(f"buffer '{self.name}': reset during CUDA-graph capture; end the capture first")
+        if synchronize and self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._live.clear()
+        self._phase = Phase.EAGER
+
     def check_idle(self, what: str) -> None:
         if self._live:
             raise CaptureStateError(
@@ -176,6 +198,15 @@ class AllocatingBuffer:
                 f"buffer '{self.name}': finish_capture without prepare_capture (phase {self._phase.value})"
             )
         self.check_idle("finish_capture (a captured step must release every buffer it acquires)")
+        self._phase = Phase.GRAPHED
+
+    def before_replay(self, stream: Any = None) -> None:
+        """Before replays after eager use: nothing may be held; no events to join (the allocator orders)."""
+        if self._phase is Phase.GRAPHED:
+            return
+        if self._phase is Phase.CAPTURING:
+            raise CaptureStateError(f"buffer '{self.name}': before_replay during a capture")
+        self.check_idle("before_replay")
         self._phase = Phase.GRAPHED
 
     def after_replay(self, stream: Any = None) -> None:

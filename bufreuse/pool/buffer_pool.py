@@ -2,7 +2,9 @@
 
 Control and feature runs go through the same call sites: a layer calls ``pool.acquire(name, shape,
 stream)`` where it used to allocate and ``pool.release(name, tensor, stream)`` where the final reader
-is done; the policy decides what happens (ring slot, ``record_stream``, or a stream-ordered free).
+is done — or ``pool.release_when_unsaved(...)`` where autograd (inside ``pool.track_saved()``) or a
+``pool.hold(...)`` may read it later; the policy decides what happens (ring slot, ``record_stream``,
+or a stream-ordered free).
 
 CUDA graphs (eager warm-up -> full-iteration capture -> replays -> eager)::
 
@@ -13,6 +15,8 @@ CUDA graphs (eager warm-up -> full-iteration capture -> replays -> eager)::
     for _ in range(n): g.replay()
     pool.after_replay(torch.cuda.current_stream())   # eager producers ordered after the replays
     step()                                   # eager again
+    pool.before_replay(torch.cuda.current_stream())  # replays ordered after the eager releases
+    g.replay()
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ from typing import Any
 import torch
 
 from bufreuse.pool._config import resolve_device, storage_ptr
-from bufreuse.pool._device import env_debug
+from bufreuse.pool._device import env_debug, is_capturing
 from bufreuse.pool.allocating import AllocatingBuffer
 from bufreuse.pool.errors import CaptureStateError, RingConfigError, UnknownBufferError
-from bufreuse.pool.guard import autograd_guard
 from bufreuse.pool.policy import Policy
-from bufreuse.pool.ring import BufferRing, Phase, RingStats
+from bufreuse.pool.ring import ON_EXHAUSTED, BufferRing, Phase, RingStats
+from bufreuse.pool.tracking import Hold, track_saved
 from bufreuse.pool.watchdog import Watchdog
 
 __all__ = ["BufferPool"]
@@ -62,15 +66,31 @@ class BufferPool:
         name: str,
         *,
         policy: Policy | str,
-        num_slots: int = 0,
+        num_slots: int | str = 0,
         max_shape: Sequence[int],
         dtype: torch.dtype,
+        on_exhausted: str = "raise",
+        initial_slots: int | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         """Declare a buffer kind. Idempotent for identical arguments (every layer may call it).
 
-        ``ring`` needs ``num_slots >= 1`` and allocates ``num_slots`` x bound now; the allocator policies
-        need ``num_slots == 0``. Raises ``RingConfigError`` on bad or conflicting arguments and
-        ``CaptureStateError`` during capture.
+        Args:
+            name: the buffer kind (``"dispatch_output"``, ``"expert_fc2_output"``).
+            policy: ``ring``, ``record-stream`` or ``stream-ordered`` (:class:`Policy`).
+            num_slots: ring slots, allocated now; ``"auto"``: start at ``initial_slots`` and grow by one
+                slot during eager warm-up whenever every slot is held, up to ``max_bytes``; frozen at
+                ``prepare_capture``. The allocator policies take 0.
+            max_shape: static bound of one acquisition.
+            dtype: element type.
+            on_exhausted: ``"raise"`` (``EarlyReuseError``) or ``"allocate"``: serve the acquisition from
+                the caching allocator (``torch.empty``, released with ``record_stream``), warn once,
+                count ``fallback_allocations``. Ignored by the allocator policies.
+            initial_slots: ``"auto"`` only: the starting depth (a plan figure), default 2.
+            max_bytes: ``"auto"`` only, required: the cap on the ring's persistent bytes.
+
+        Raises:
+            RingConfigError: bad or conflicting arguments. CaptureStateError: during capture.
         """
         try:
             pol = Policy(policy)
@@ -78,39 +98,73 @@ class BufferPool:
             raise RingConfigError(
                 f"buffer '{name}': unknown policy {policy!r}; choose one of {', '.join(p.value for p in Policy)}"
             ) from None
-        if pol is Policy.RING and (not isinstance(num_slots, int) or num_slots < 1):
-            raise RingConfigError(f"buffer '{name}': policy 'ring' needs num_slots >= 1, got {num_slots!r}")
-        if pol is not Policy.RING and num_slots != 0:
-            raise RingConfigError(
-                f"buffer '{name}': policy '{pol.value}' takes no slots (num_slots=0), got {num_slots}"
-            )
-        spec = (pol, num_slots, tuple(int(d) for d in max_shape), dtype)
+        slots = self._check_slots(name, pol, num_slots, on_exhausted, initial_slots, max_bytes)
+        spec = (pol, num_slots, tuple(int(d) for d in max_shape), dtype, on_exhausted, initial_slots, max_bytes)
         old = self._specs.get(name)
         if old is not None:
             if old == spec:
                 return
             raise RingConfigError(
                 f"buffer '{name}' is already registered as policy={old[0].value} num_slots={old[1]} "
-                f"max_shape={old[2]} dtype={old[3]}; cannot re-register as policy={pol.value} num_slots={num_slots} "
-                f"max_shape={spec[2]} dtype={dtype}"
+                f"max_shape={old[2]} dtype={old[3]} on_exhausted={old[4]} initial_slots={old[5]} "
+                f"max_bytes={old[6]}; cannot re-register as policy={pol.value} num_slots={num_slots} "
+                f"max_shape={spec[2]} dtype={dtype} on_exhausted={on_exhausted} initial_slots={initial_slots} "
+                f"max_bytes={max_bytes}"
             )
         if self._phase is Phase.CAPTURING:
             raise CaptureStateError(f"buffer '{name}': register during CUDA-graph capture; register before warm-up")
         if pol is Policy.RING:
             entry: BufferRing | AllocatingBuffer = BufferRing(
-                name, num_slots, spec[2], dtype, self.device, debug=self.debug, watchdog=self.watchdog
+                name,
+                slots,
+                spec[2],
+                dtype,
+                self.device,
+                debug=self.debug,
+                watchdog=self.watchdog,
+                on_exhausted=on_exhausted,
+                max_bytes=max_bytes if num_slots == "auto" else None,
+                registry=self._rings_by_storage,
             )
-            self._rings_by_storage[entry._storage_ptr] = entry
         else:
             entry = AllocatingBuffer(name, pol.value, spec[2], dtype, self.device, debug=self.debug)
         entry._phase = self._phase  # registered between capture and after_replay: joins the pool's phase
         self._entries[name] = entry
         self._specs[name] = spec
 
+    @staticmethod
+    def _check_slots(
+        name: str, pol: Policy, num_slots: Any, on_exhausted: Any, initial_slots: Any, max_bytes: Any
+    ) -> int:
+        if on_exhausted not in ON_EXHAUSTED:
+            raise RingConfigError(f"buffer '{name}': on_exhausted must be 'raise' or 'allocate', got {on_exhausted!r}")
+        auto = num_slots == "auto"
+        if not auto and (initial_slots is not None or max_bytes is not None):
+            raise RingConfigError(f"buffer '{name}': initial_slots and max_bytes go with num_slots='auto' only")
+        if pol is not Policy.RING:
+            if num_slots != 0:
+                raise RingConfigError(
+                    f"buffer '{name}': policy '{pol.value}' takes no slots (num_slots=0), got {num_slots!r}"
+                )
+            return 0
+        if auto:
+            if initial_slots is None:
+                initial_slots = 2
+            if not _positive_int(initial_slots):
+                raise RingConfigError(f"buffer '{name}': initial_slots must be an integer >= 1, got {initial_slots!r}")
+            if max_bytes is None:
+                raise RingConfigError(
+                    f"buffer '{name}': num_slots='auto' needs max_bytes, the cap on the ring's persistent bytes"
+                )
+            return initial_slots
+        if not _positive_int(num_slots):
+            raise RingConfigError(f"buffer '{name}': policy 'ring' needs num_slots >= 1 or 'auto', got {num_slots!r}")
+        return num_slots
+
     # --- hot path -------------------------------------------------------------------------------------
 
     def acquire(self, name: str, shape: Sequence[int] | None = None, stream: Any = None) -> torch.Tensor:
-        """A buffer of ``shape`` for the producer on ``stream`` (see the policy). About 0.1 us over the ring."""
+        """A buffer of ``shape`` for the producer on ``stream`` (see the policy); one dict lookup over the entry."""
         try:
             entry = self._entries[name]
         except KeyError:
@@ -125,10 +179,53 @@ class BufferPool:
             raise self._unknown(name) from None
         entry.release(tensor, stream)
 
+    def release_when_unsaved(self, name: str, tensor: torch.Tensor, stream: Any = None) -> bool:
+        """The forward's final reader of ``tensor`` on ``stream`` is done: release now, or as soon as
+        autograd frees its last tracked saved reference and every :class:`Hold` is done.
+
+        Returns True if released now. See :meth:`BufferRing.release_when_unsaved` (stream semantics).
+        Allocator policies release now.
+
+        Raises:
+            UnknownBufferError, DoubleReleaseError, ForeignTensorError, StaleAliasError.
+        """
+        try:
+            entry = self._entries[name]
+        except KeyError:
+            raise self._unknown(name) from None
+        return entry.release_when_unsaved(tensor, stream)
+
+    def hold(self, name: str, tensor: torch.Tensor) -> Hold:
+        """Keep the slot ``tensor`` aliases from being released until ``hold.done(stream)``.
+
+        For readers outside autograd's saved tensors, e.g. a weight-gradient store read in
+        ``backward_dw()``: take the hold before the forward releases, call ``done`` after that read.
+
+        Raises:
+            UnknownBufferError; StaleAliasError: the slot is not held.
+        """
+        try:
+            entry = self._entries[name]
+        except KeyError:
+            raise self._unknown(name) from None
+        return entry.hold(tensor)
+
+    def track_saved(self, *, strict: bool | None = None) -> contextlib.AbstractContextManager[None]:
+        """Count autograd-saved references to ring storage made inside the block (``saved_tensors_hooks``).
+
+        What ``release_when_unsaved`` relies on; scope it to the region whose saved tensors may alias
+        ring storage (dispatch -> experts -> combine). Saved-tensor hooks do not nest: an outer pair
+        (activation offload) is inactive inside.
+
+        Args:
+            strict: also raise when an alias of a released slot is saved (default: debug mode).
+        """
+        return track_saved(self._rings_by_storage, strict=self.debug if strict is None else strict)
+
     # --- pure probes ----------------------------------------------------------------------------------
 
     def is_ring_storage(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` aliases any ring's storage (live or stale). Pure; about 0.5 us."""
+        """Whether ``tensor`` aliases any ring's storage (live or stale). Pure; one storage-pointer lookup."""
         return storage_ptr(tensor) in self._rings_by_storage
 
     def owns(self, name: str, tensor: torch.Tensor) -> bool:
@@ -199,6 +296,43 @@ class BufferPool:
             self.watchdog.resume()
         self._phase = Phase.GRAPHED
 
+    def before_replay(self, stream: Any = None) -> None:
+        """Call before replaying graphs on ``stream`` after eager use (``after_replay`` ... eager steps).
+
+        ``stream`` waits (GPU side) on every outstanding eager release event of every ring, events are
+        forgotten and cursors go to 0, so the replay cannot overwrite a slot an eager consumer on another
+        stream still reads. A no-op right after a capture or another ``before_replay``.
+
+        Raises:
+            CaptureStateError: capturing, or a buffer still held.
+        """
+        if self._phase is Phase.CAPTURING:
+            raise CaptureStateError("pool: before_replay during a capture; call finish_capture first")
+        if self._phase is Phase.GRAPHED:
+            return
+        for entry in self._entries.values():
+            entry.check_idle("before_replay")
+        for entry in self._entries.values():
+            entry.before_replay(stream)
+        self._phase = Phase.GRAPHED
+
+    def reset(self) -> None:
+        """Recover after an error mid-step: synchronise the device, then every buffer forgets its holders,
+        deferred releases, saved references, holds and events; storage is kept, phase back to eager.
+
+        Raises:
+            CaptureStateError: called during CUDA-graph capture.
+        """
+        if is_capturing(self.device):
+            raise CaptureStateError("pool: reset during CUDA-graph capture; end the capture first")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for entry in self._entries.values():
+            entry.reset(synchronize=False)
+        if self.watchdog is not None:
+            self.watchdog.resume()
+        self._phase = Phase.EAGER
+
     def after_replay(self, stream: Any = None) -> None:
         """Call once after enqueuing replays, before eager use: every ring's next producers wait (once
         per slot, on the GPU) on an eager event recorded on ``stream``, the stream the graph replayed on."""
@@ -230,9 +364,9 @@ class BufferPool:
     # --- autograd -------------------------------------------------------------------------------------
 
     def autograd_guard(self) -> contextlib.AbstractContextManager[None]:
-        """``saved_tensors_hooks`` that make ``release`` raise ``SavedForBackwardError`` while autograd
-        still holds ring storage for backward (see ``bufreuse.pool.guard``). Wrap the forward in it."""
-        return autograd_guard(self._rings_by_storage)
+        """The debug aid: ``track_saved(strict=True)``. ``release`` already raises while a tracked saved
+        reference is alive; strict also raises when an alias of a released slot is saved."""
+        return track_saved(self._rings_by_storage, strict=True)
 
     def autograd_guard_if_debug(self) -> contextlib.AbstractContextManager[None]:
         """The guard in debug mode, a no-op context otherwise (what integrations wrap forwards in)."""
@@ -246,3 +380,7 @@ class BufferPool:
     def _unknown(self, name: str) -> UnknownBufferError:
         known = ", ".join(sorted(self._entries)) or "none"
         return UnknownBufferError(f"buffer '{name}' is not registered with this pool (registered: {known})")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,103 +1,80 @@
-"""`BufferRing`: N persistent slots handed out in rotation, reused after a GPU-side wait.
+"""`BufferRing`: persistent slots handed out in rotation, reused after a GPU-side wait.
 
 Lifecycle of a slot (one per acquisition, numbered by a ring-wide *generation*)::
 
     free --acquire(stream P)--> held --release(stream C)--> free (event recorded on C)
                  ^ P waits on the slot's last release event, on the GPU (no host sync)
+    held --release_when_unsaved(C)--> pending --last saved ref freed, every hold done--> free
 
-Storage for all slots is one allocation made in the constructor and never again, so nothing is
-allocated during CUDA-graph capture. ``acquire`` returns a fresh tensor object (``detach()`` of the
-slot's base view, about 1 us; a narrowed view for fewer rows), ``requires_grad=False``. All views of a
-slot share the slot's version counter, so an in-place *torch* write into a later acquisition makes
-autograd reject a stale saved view; kernels that write by pointer (DeepEP, TE ``out=``) do not bump
-it, which is what :meth:`BufferPool.autograd_guard` is for. Every check runs before any GPU work.
+Storage is allocated in the constructor (and, for ``max_bytes`` growth, once per added slot in eager
+warm-up), never under capture. Each slot is its own base tensor over that storage, so each slot has
+its **own version counter**: an in-place torch write into a later acquisition of slot *k* makes
+autograd reject a stale saved alias of slot *k*, and writes into other slots never disturb it. An
+acquisition is a fresh tensor (``detach()`` of the slot base, or a leading-rows view), sharing only its
+slot's counter. Kernels that write by pointer (DeepEP, TE ``out=``) bump no counter; releasing at the
+true last reader (:mod:`bufreuse.pool.tracking`) is what keeps them safe. Every check runs before any
+GPU work.
 """
 
 from __future__ import annotations
 
-import enum
+import logging
 import math
+import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bufreuse.pool._config import check_config, resolve_device, storage_ptr
 from bufreuse.pool._device import DeviceOps, env_debug, is_capturing
+from bufreuse.pool._state import Phase, RingStats, _Slot
 from bufreuse.pool.errors import (
     CaptureStateError,
     DoubleReleaseError,
-    EarlyReuseError,
     ForeignTensorError,
     InvalidStreamError,
+    RingConfigError,
     SavedForBackwardError,
     StaleAliasError,
     StaticShapeError,
 )
+from bufreuse.pool.ring_capacity import RingCapacity
+from bufreuse.pool.ring_lifecycle import RingLifecycle
+from bufreuse.pool.tracking import Hold, SavedRefCounting
 
-__all__ = ["SLOT_ALIGN_BYTES", "BufferRing", "Phase", "RingStats"]
+__all__ = ["ON_EXHAUSTED", "SLOT_ALIGN_BYTES", "BufferRing", "Phase", "RingStats"]
 
 SLOT_ALIGN_BYTES = 512
-"""Each slot starts on this boundary inside the ring's single allocation."""
+"""Each slot starts on this boundary inside the ring's allocation."""
+
+ON_EXHAUSTED = ("raise", "allocate")
+"""What ``acquire`` does when every slot is held (and the ring may not grow)."""
+
+_log = logging.getLogger("bufreuse.pool")
 
 
-class Phase(enum.Enum):
-    """Where a ring (or pool) stands in the eager -> capture -> replay -> eager cycle."""
-
-    EAGER = "eager"
-    CAPTURING = "capturing"
-    GRAPHED = "graphed"  # capture finished; replays may run; eager use needs after_replay()
-
-
-@dataclass(kw_only=True, slots=True)
-class RingStats:
-    """Counters of one buffer (a snapshot; the ring keeps counting)."""
-
-    acquisitions: int = 0
-    """Successful ``acquire`` calls."""
-    releases: int = 0
-    """Successful ``release`` calls."""
-    gpu_waits: int = 0
-    """GPU-side waits inserted (producer stream waited on a release event or a replay fence)."""
-    peak_held: int = 0
-    """Most acquisitions held at once."""
-    persistent_bytes: int = 0
-    """Bytes allocated once for the slots (0 for the allocator policies)."""
-
-
-class _Slot:
-    __slots__ = (
-        "base",
-        "capture_event",
-        "eager_event",
-        "generation",
-        "index",
-        "live",
-        "saved_refs",
-        "wait_on",
-        "wait_stream",
-    )
-
-    def __init__(self, index: int, base: torch.Tensor, eager_event: Any, capture_event: Any) -> None:
-        self.index = index
-        self.base = base
-        self.live: torch.Tensor | None = None
-        self.generation = 0
-        self.eager_event = eager_event
-        self.capture_event = capture_event
-        self.wait_on: Any = None  # event the next producer must wait on (None: nothing pending)
-        self.wait_stream: Any = None  # stream that event was recorded on (same stream: no wait)
-        self.saved_refs = 0  # live autograd saved references (autograd guard)
-
-
-class BufferRing:
+class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
     """``num_slots`` persistent buffers of at most ``max_shape`` handed out in rotation.
 
-    ``debug`` (default: ``BUFREUSE_DEBUG``) adds per-call stream/capture/device checks and names the
-    generation of stale aliases. ``watchdog`` (set by :class:`BufferPool` in debug mode) is told about
-    every GPU wait so it can report one that does not finish.
+    Args:
+        name: buffer name (in every message).
+        num_slots: slots allocated now (the initial depth when ``max_bytes`` is set).
+        max_shape: static bound; acquisitions may have fewer leading rows.
+        dtype: element type.
+        device: default: the current CUDA device, else CPU.
+        debug: default ``BUFREUSE_DEBUG``: per-call stream/capture/device checks, generations of stale
+            aliases named in errors.
+        watchdog: told about every GPU wait (set by :class:`BufferPool` in debug mode).
+        on_exhausted: ``"raise"`` (``EarlyReuseError``) or ``"allocate"`` (serve the acquisition from
+            the caching allocator, warn once, count ``fallback_allocations``).
+        max_bytes: set for ``num_slots='auto'``: in eager phase, grow by one slot when every slot is
+            held, while ``slots x slot_bytes <= max_bytes``; frozen at ``prepare_capture``.
+        registry: storage pointer -> ring map the ring adds its storages to (the pool's).
+
+    Raises:
+        RingConfigError: bad arguments. CaptureStateError: constructed under CUDA-graph capture.
     """
 
     def __init__(
@@ -110,8 +87,13 @@ class BufferRing:
         *,
         debug: bool | None = None,
         watchdog: Any = None,
+        on_exhausted: str = "raise",
+        max_bytes: int | None = None,
+        registry: dict[int, BufferRing] | None = None,
     ) -> None:
         shape = check_config(name, num_slots, max_shape, dtype)
+        if on_exhausted not in ON_EXHAUSTED:
+            raise RingConfigError(f"ring '{name}': on_exhausted must be 'raise' or 'allocate', got {on_exhausted!r}")
         dev = resolve_device(device)
         if is_capturing(dev):
             raise CaptureStateError(
@@ -124,41 +106,59 @@ class BufferRing:
         self.dtype = dtype
         self.device = dev
         self.debug = env_debug() if debug is None else bool(debug)
+        self.on_exhausted = on_exhausted
         self._ops = DeviceOps(dev)
         self._cuda = self._ops.cuda
         self._watchdog = watchdog
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = math.prod(shape)
-        stride = -(-max(numel * itemsize, 1) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES // itemsize
-        self.slot_bytes: int = stride * itemsize
+        self._stride = -(-max(numel * itemsize, 1) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES // itemsize
+        self._strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        self.slot_bytes: int = self._stride * itemsize
         self.persistent_bytes: int = self.slot_bytes * num_slots
-        self._storage = torch.empty(stride * num_slots, dtype=dtype, device=dev)
-        self._storage_ptr = self._storage.untyped_storage().data_ptr()
-        self._slots = [
-            _Slot(
-                i,
-                self._storage.narrow(0, i * stride, numel).view(shape),
-                self._ops.new_event(),
-                self._ops.new_event(),
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < self.persistent_bytes
+        ):
+            raise RingConfigError(
+                f"ring '{name}': max_bytes must be an integer >= the initial {num_slots} slot(s) x "
+                f"{self.slot_bytes} bytes = {self.persistent_bytes}, got {max_bytes!r}"
             )
-            for i in range(num_slots)
-        ]
+        self.max_bytes = max_bytes
+        self._frozen = max_bytes is None
+        self._grown = 0
+        self._storage = torch.empty(self._stride * num_slots, dtype=dtype, device=dev)
+        self._storage_ptr = self._storage.untyped_storage().data_ptr()
+        self._storages: list[torch.Tensor] = [self._storage]
+        self._slot_map: dict[int, tuple[int, int]] = {self._storage_ptr: (0, num_slots)}
+        self._registry: dict[int, BufferRing] = {} if registry is None else registry
+        self._registry[self._storage_ptr] = self
+        self._slots = [self._new_slot(i, self._storage, i * self._stride) for i in range(num_slots)]
         self._fence = self._ops.new_event()
+        self._lock = threading.RLock()  # saved-ref counts and deferral; reentrant: a holder may be freed by GC inside
         self._by_id: dict[int, _Slot] = {}
         self._gen_tags: dict[int, tuple[weakref.ref, int]] = {}
+        self._fallback: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._fallback_done: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._spare_events: list[Any] = []
+        self._warned = False
+        self._epoch = 0
         self._cursor = 0
         self._generation = 0
-        self._held = 0
+        self._held = 0  # acquisitions minus releases made by the caller's thread (hot path, no lock)
+        self._deferred_freed = 0  # deferred releases completed (by whichever thread freed the last reader)
+        self._deferred_waits = 0
         self._phase = Phase.EAGER
         self._acquisitions = 0
         self._releases = 0
         self._gpu_waits = 0
         self._peak_held = 0
+        self._deferred = 0
+        self._fallbacks = 0
 
     def __repr__(self) -> str:
         return (
             f"BufferRing(name={self.name!r}, num_slots={self.num_slots}, max_shape={self.max_shape}, "
-            f"dtype={self.dtype}, device='{self.device}', held={self._held}, phase={self._phase.value})"
+            f"dtype={self.dtype}, device='{self.device}', held={self.held}, phase={self._phase.value})"
         )
 
     # --- hot path -------------------------------------------------------------------------------------
@@ -166,11 +166,16 @@ class BufferRing:
     def acquire(self, shape: Sequence[int] | None = None, stream: Any = None, *, dtype: torch.dtype | None = None):
         """Hand out the next free slot as a new tensor of ``shape`` (default: the full bound).
 
-        The producing ``stream`` (default: the current stream; hot paths pass it, 7 us saved) waits
-        on the slot's last release event on the GPU. Raises ``StaticShapeError`` beyond the bound or
-        for another dtype, ``EarlyReuseError`` when every slot is held, ``CaptureStateError`` after a
-        capture until ``after_replay``. A whole acquire+release pair costs about 6 us on the H200 host,
-        0.65x ``torch.empty`` + ``record_stream`` + free (docs/benchmarks.md).
+        Args:
+            shape: the bound, or fewer leading rows.
+            stream: the producing stream (default: current; hot paths pass it). It waits on the slot's
+                last release event on the GPU.
+            dtype: if given, must be the ring's.
+
+        Raises:
+            StaticShapeError: beyond the bound or another dtype.
+            EarlyReuseError: every slot held (and no growth or fallback allowed); names the depth needed.
+            CaptureStateError: after a capture until ``after_replay``; growth/fallback under capture.
         """
         if self._phase is Phase.GRAPHED:
             raise CaptureStateError(
@@ -184,7 +189,9 @@ class BufferRing:
         slot = self._slots[self._cursor]
         if slot.live is not None:
             slot = self._next_free()
-        # A fresh TensorImpl: detach() of the base view (~1 us) in the common full-bound case.
+            if slot is None:
+                return self._fallback_acquire(shape, stream)
+        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base.
         view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
         if self._cuda:
             if stream is None:
@@ -210,67 +217,133 @@ class BufferRing:
         self._cursor = slot.index + 1 if slot.index + 1 < self.num_slots else 0
         self._acquisitions += 1
         self._held += 1
-        if self._held > self._peak_held:
-            self._peak_held = self._held
+        held = self._held - self._deferred_freed
+        if self._fallback:
+            held += len(self._fallback)
+        if held > self._peak_held:
+            self._peak_held = held
         return view
 
     def release(self, tensor: torch.Tensor, stream: Any = None) -> None:
         """Mark ``tensor`` (the object ``acquire`` returned) read for the last time on ``stream``.
 
         Records the slot's reusable event on the consumer ``stream`` (default: current stream); the next
-        producer of the slot waits on it. Raises ``DoubleReleaseError``, ``ForeignTensorError``,
-        ``StaleAliasError`` or ``SavedForBackwardError`` before any GPU work.
+        producer of the slot waits on it.
+
+        Raises:
+            DoubleReleaseError, ForeignTensorError, StaleAliasError: wrong tensor (before any GPU work).
+            SavedForBackwardError: autograd still holds a tracked saved reference to the slot, or a
+                :class:`Hold` is active (use ``release_when_unsaved``).
         """
         slot = self._by_id.pop(id(tensor), None)
         if slot is None:
-            raise self._bad_release(tensor)
-        if slot.saved_refs:
+            self._release_other(tensor, stream)
+            return
+        if slot.saved_refs or slot.holds:
             self._by_id[id(tensor)] = slot
             raise SavedForBackwardError(
-                f"ring '{self.name}' slot {slot.index} generation {slot.generation}: released while autograd "
-                f"still holds {slot.saved_refs} saved reference(s) to it for backward; the next acquisition "
-                "would overwrite them. Release after the backward that reads it (or save a copy, e.g. "
-                "FP8/FP4 expert GEMMs save the quantized input)"
+                f"ring '{self.name}' slot {slot.index} generation {slot.generation}: released while it is "
+                f"{slot.state()}; the next acquisition would overwrite what backward (or the deferred "
+                "reader) still reads. Use release_when_unsaved() to release at the true last reader"
             )
         if self._cuda:
-            if stream is None:
-                stream = self._ops.current_stream()
-            elif self.debug:
-                self._check_stream(stream)
-                if tensor.device != self.device:
-                    raise ForeignTensorError(f"ring '{self.name}': tensor on {tensor.device}, ring on {self.device}")
-            event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
-            self._ops.record(event, stream)
-            slot.wait_on = event
-            slot.wait_stream = stream
+            stream = self._consumer_stream(tensor, stream, slot)
+            self._gpu_waits += self._record_release(slot, stream)
         slot.live = None
         self._held -= 1
         self._releases += 1
 
+    def release_when_unsaved(self, tensor: torch.Tensor, stream: Any = None) -> bool:
+        """Release ``tensor`` now if nothing else reads it, else when the last reader is done.
+
+        The forward's final reader on ``stream`` is done. With no tracked autograd-saved reference and no
+        active :class:`Hold` the release happens now (as ``release``). Otherwise it is deferred: the
+        slot stays held until the last saved reference is freed and every hold is done, and the release
+        event is then recorded on the stream current at that moment, after that stream waited on the
+        events marked by the earlier readers (this forward reader included). Autograd runs a node's
+        backward with the node's stream current and frees the node's saved variables after enqueuing it,
+        so the event follows the backward that read the slot. Limits: a backward that reads the slot on
+        a side stream it does not join back, or a saved tensor made outside ``track_saved``, is not
+        covered; ``retain_graph=True`` keeps the slot until the graph is dropped.
+
+        Returns:
+            True if released now, False if deferred.
+
+        Raises:
+            DoubleReleaseError, ForeignTensorError, StaleAliasError: wrong tensor (before any GPU work).
+        """
+        slot = self._by_id.pop(id(tensor), None)
+        if slot is None:
+            self._release_other(tensor, stream)
+            return True
+        if self._cuda:
+            stream = self._consumer_stream(tensor, stream, slot)
+        if slot.saved_refs or slot.holds:
+            with self._lock:  # re-checked under the lock the readers' completions take: no lost release
+                if slot.saved_refs or slot.holds:
+                    slot.pending = True
+                    self._deferred += 1
+                    if self._cuda:
+                        self._mark(slot, stream)
+                    return False
+        if self._cuda:
+            self._gpu_waits += self._record_release(slot, stream)
+        slot.live = None
+        self._held -= 1
+        self._releases += 1
+        return True
+
+    def hold(self, tensor: torch.Tensor) -> Hold:
+        """A :class:`Hold` on the slot ``tensor`` aliases: its release waits for ``hold.done(stream)``.
+
+        For a tensor that is not ring storage (a fallback allocation) the hold keeps the tensor alive
+        and ``done(stream)`` records ``stream`` on it.
+
+        Raises:
+            StaleAliasError: ``tensor`` aliases a slot that is not held.
+        """
+        ptr = storage_ptr(tensor)
+        if ptr not in self._slot_map:
+            if not isinstance(tensor, torch.Tensor):
+                raise ForeignTensorError(f"ring '{self.name}': hold of a {type(tensor).__name__}, not a tensor")
+            return Hold(tensor=tensor)
+        with self._lock:
+            slot = self._slot_for(tensor, ptr)
+            if slot.live is None:
+                raise StaleAliasError(
+                    f"ring '{self.name}' slot {slot.index}: hold of a released slot (last generation "
+                    f"{slot.generation}); take the hold while the buffer is acquired, before releasing it"
+                )
+            slot.holds += 1
+            return Hold(ring=self, slot=slot, epoch=self._epoch)
+
     # --- pure probes ----------------------------------------------------------------------------------
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a live acquisition of this ring (the object ``acquire`` returned). Pure."""
+        """Whether ``tensor`` is a live, unreleased acquisition of this ring. Pure."""
         slot = self._by_id.get(id(tensor))
-        return slot is not None and slot.live is tensor
+        if slot is not None:
+            return slot.live is tensor
+        entry = self._fallback.get(id(tensor))
+        return entry is not None and entry[0] is tensor
 
     def is_ring_storage(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` aliases this ring's storage, live or stale (by storage pointer). Pure.
+        """Whether ``tensor`` aliases any of this ring's slot storage, live or stale (storage pointer). Pure.
 
-        This is the probe for paths that free or offload their inputs (``ScheduleNode.free_input``):
-        they must skip ring storage, whatever the alias's generation.
+        The probe for paths that free or offload their inputs (``ScheduleNode.free_input``): they must
+        skip ring storage, whatever the alias's generation. Fallback allocations are not ring storage.
         """
-        return storage_ptr(tensor) == self._storage_ptr
+        return storage_ptr(tensor) in self._slot_map
 
     def slot_of(self, tensor: torch.Tensor) -> int | None:
         """Index of the slot ``tensor``'s first element lies in, or ``None`` if not ring storage. Pure.
 
         Uses the storage offset, not ``data_ptr()`` (which is 0 for a zero-row view).
         """
-        if not self.is_ring_storage(tensor):
+        ptr = storage_ptr(tensor)
+        if ptr not in self._slot_map:
             return None
-        offset = tensor.storage_offset() * tensor.element_size()
-        return min(max(offset, 0) // self.slot_bytes, self.num_slots - 1)
+        return self._slot_for(tensor, ptr).index
 
     # --- state ----------------------------------------------------------------------------------------
 
@@ -279,19 +352,24 @@ class BufferRing:
         """A snapshot of this ring's counters."""
         return RingStats(
             acquisitions=self._acquisitions,
-            releases=self._releases,
-            gpu_waits=self._gpu_waits,
+            releases=self._releases + self._deferred_freed,
+            gpu_waits=self._gpu_waits + self._deferred_waits,
             peak_held=self._peak_held,
             persistent_bytes=self.persistent_bytes,
+            deferred_releases=self._deferred,
+            fallback_allocations=self._fallbacks,
+            settled_slots=self.num_slots,
+            grown=self._grown,
         )
 
     @property
     def held(self) -> int:
-        """Acquisitions not yet released."""
-        return self._held
+        """Acquisitions not yet released (deferred ones and fallback allocations included)."""
+        return self._held - self._deferred_freed + len(self._fallback)
 
     @property
     def phase(self) -> Phase:
+        """The ring's phase in the eager -> capture -> replay cycle."""
         return self._phase
 
     @property
@@ -299,99 +377,48 @@ class BufferRing:
         """Slot the next ``acquire`` tries first."""
         return self._cursor
 
-    # --- CUDA-graph phases (BufferPool drives these for all its rings at once) -------------------------
-
-    def check_idle(self, what: str) -> None:
-        """Raise ``CaptureStateError`` naming the held slots if any slot is held."""
-        if self._held:
-            held = ", ".join(f"slot {s.index} (generation {s.generation})" for s in self._slots if s.live is not None)
-            raise CaptureStateError(
-                f"ring '{self.name}': {what} with {self._held} slot(s) held: {held}; release them first"
-            )
-
-    def prepare_capture(self, stream: Any = None) -> None:
-        """Before capture: ``stream`` waits on every outstanding release event, eager events are forgotten
-        (a wait inside capture on an event recorded before it invalidates the capture), cursor reset."""
-        if self._phase is Phase.CAPTURING:
-            raise CaptureStateError(f"ring '{self.name}': prepare_capture while already capturing")
-        self.check_idle("prepare_capture")
-        if self._cuda:
-            stream = self._ops.current_stream() if stream is None else stream
-            if is_capturing(self.device):
-                raise CaptureStateError(f"ring '{self.name}': prepare_capture must run before capture begins")
-            for slot in self._slots:
-                if slot.wait_on is not None and slot.wait_stream is not stream:
-                    self._ops.wait(slot.wait_on, stream)
-                    self._gpu_waits += 1
-            self._ops.record(self._fence, stream)  # eager, pre-capture: safe to wait on after an abort
-        self._forget(None, None)
-        self._cursor = 0
-        self._phase = Phase.CAPTURING
-
-    def finish_capture(self) -> None:
-        """After capture: capture-time events are forgotten (eager code must never wait on them)."""
-        if self._phase is not Phase.CAPTURING:
-            raise CaptureStateError(
-                f"ring '{self.name}': finish_capture without prepare_capture (phase {self._phase.value})"
-            )
-        self.check_idle("finish_capture (a captured step must release every slot it acquires)")
-        self._forget(None, None)
-        self._cursor = 0
-        self._phase = Phase.GRAPHED
-
-    def after_replay(self, stream: Any = None) -> None:
-        """Before eager use after replays: the first producer of each slot waits once on ``stream``
-        (the replay stream, via one eager fence event); stream order replaces capture-time events."""
-        if self._phase is not Phase.GRAPHED:
-            raise CaptureStateError(
-                f"ring '{self.name}': after_replay needs a finished capture (phase {self._phase.value})"
-            )
-        if self._cuda:
-            stream = self._ops.current_stream() if stream is None else stream
-            self._ops.record(self._fence, stream)
-            self._forget(self._fence, stream)
-        self._cursor = 0
-        self._phase = Phase.EAGER
-
-    def abort_capture(self) -> None:
-        """After a failed capture (nothing ran on the GPU): drop held slots, back to eager, ordered after
-        the pre-capture fence."""
-        if self._phase is not Phase.CAPTURING:
-            return
-        for slot in self._slots:
-            slot.live = None
-            slot.saved_refs = 0
-        self._by_id.clear()
-        self._gen_tags.clear()
-        self._held = 0
-        self._forget(self._fence if self._cuda else None, None)
-        self._cursor = 0
-        self._phase = Phase.EAGER
-
     # --- internals ------------------------------------------------------------------------------------
 
-    def _forget(self, event: Any, stream: Any) -> None:
-        for slot in self._slots:
-            slot.wait_on = event
-            slot.wait_stream = stream
+    def _record_release(self, slot: _Slot, stream: Any) -> int:
+        """Record the slot's release event on ``stream`` after joining earlier readers; the waits added."""
+        waits = 0
+        if slot.marks:
+            for mark_stream, event in slot.marks:
+                if mark_stream is not stream:
+                    self._ops.wait(event, stream)
+                    waits += 1
+                self._spare_events.append(event)
+            slot.marks.clear()
+        event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
+        self._ops.record(event, stream)
+        slot.wait_on = event
+        slot.wait_stream = stream
+        return waits
 
-    def _next_free(self) -> _Slot:
-        n = self.num_slots
-        for step in range(1, n):
-            slot = self._slots[(self._cursor + step) % n]
-            if slot.live is None:
-                return slot
-        slot = self._slots[self._cursor]
-        need = self._held + 1
-        raise EarlyReuseError(
-            f"ring '{self.name}': slot {slot.index} (generation {slot.generation}) is still held and all "
-            f"{n} slot(s) are in use; this schedule needs at least {need} slots (acquisitions outstanding + 1): "
-            f"raise the slot count to >= {need}, or release each buffer after its final reader",
-            ring=self.name,
-            slot=slot.index,
-            generation=slot.generation,
-            min_depth=need,
-        )
+    def _consumer_stream(self, tensor: torch.Tensor, stream: Any, slot: _Slot) -> Any:
+        if stream is None:
+            return self._ops.current_stream()
+        if self.debug:
+            try:
+                self._check_stream(stream)
+                if tensor.device != self.device:
+                    raise ForeignTensorError(f"ring '{self.name}': tensor on {tensor.device}, ring on {self.device}")
+            except (InvalidStreamError, ForeignTensorError):
+                self._by_id[id(tensor)] = slot  # the release did not happen: still the caller's
+                raise
+        return stream
+
+    def _new_slot(self, index: int, storage: torch.Tensor, offset: int) -> _Slot:
+        base = torch.empty(0, dtype=self.dtype, device=self.device)
+        base.set_(storage.untyped_storage(), offset, self.max_shape, self._strides)
+        return _Slot(index, base, self._ops.new_event(), self._ops.new_event())
+
+    def _slot_for(self, tensor: torch.Tensor, ptr: int) -> _Slot:
+        first, count = self._slot_map[ptr]
+        if count == 1:
+            return self._slots[first]
+        offset = max(tensor.storage_offset(), 0) * tensor.element_size()
+        return self._slots[first + min(offset // self.slot_bytes, count - 1)]
 
     def _rows(self, shape: Sequence[int]) -> int:
         bound = self.max_shape
@@ -408,6 +435,8 @@ class BufferRing:
         return req[0]
 
     def _bad_release(self, tensor: Any) -> Exception:
+        if isinstance(tensor, torch.Tensor) and self._fallback_done.get(id(tensor)) is tensor:
+            return DoubleReleaseError(f"ring '{self.name}': fallback allocation already released")
         if not isinstance(tensor, torch.Tensor) or not self.is_ring_storage(tensor):
             what = (
                 f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
@@ -418,13 +447,13 @@ class BufferRing:
                 f"ring '{self.name}': release of a tensor it does not own ({what}); "
                 "release only what acquire() returned"
             )
-        slot = self._slots[self.slot_of(tensor) or 0]
+        slot = self._slot_for(tensor, storage_ptr(tensor))
         tag = self._gen_tags.get(id(tensor))
         alias_gen = f" of generation {tag[1]}" if tag is not None and tag[0]() is tensor else ""
-        if slot.live is None:
+        if slot.live is None or (slot.pending and slot.live is tensor):
             return DoubleReleaseError(
-                f"ring '{self.name}' slot {slot.index}: already released (last generation {slot.generation}); "
-                "each acquisition is released exactly once, by its final reader"
+                f"ring '{self.name}' slot {slot.index}: already released (generation {slot.generation}, "
+                f"{slot.state()}); each acquisition is released exactly once, by its final reader"
             )
         return StaleAliasError(
             f"ring '{self.name}' slot {slot.index}: tensor{alias_gen} aliases the slot but is not its live "

@@ -2,7 +2,7 @@
 
 A GPU-side wait never blocks the host, so a ring too shallow for the consumer's queue (or a missing
 release upstream) shows up as a GPU that spins, not as a Python stack. In debug mode every wait the
-ring inserts is handed to this watchdog; a daemon thread polls ``event.query()`` (about 1 us, no sync)
+ring inserts is handed to this watchdog; a daemon thread polls ``event.query()`` (no sync)
 every ``poll_s`` and reports, once, each wait whose event is still incomplete after ``threshold_s``
 (env ``BUFREUSE_WATCHDOG_S``, default 10 s). Reports go to the ``bufreuse.pool`` logger at WARNING
 (printed to stderr when logging is not configured) and to ``Watchdog.reports``.

@@ -1,0 +1,89 @@
+"""Plain state shared by the ring and the allocator-backed buffers: phases, counters, one slot."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Phase", "RingStats"]
+
+
+class Phase(enum.Enum):
+    """Where a ring (or pool) stands in the eager -> capture -> replay -> eager cycle."""
+
+    EAGER = "eager"
+    CAPTURING = "capturing"
+    GRAPHED = "graphed"  # captured (or before_replay): replays may run; eager use needs after_replay()
+
+
+@dataclass(kw_only=True, slots=True)
+class RingStats:
+    """Counters of one buffer (a snapshot; the ring keeps counting)."""
+
+    acquisitions: int = 0
+    """Successful ``acquire`` calls (fallback allocations included)."""
+    releases: int = 0
+    """Releases carried out (immediate and deferred ones, fallback tensors included)."""
+    gpu_waits: int = 0
+    """GPU-side waits inserted (producer stream waited on a release event or a replay fence)."""
+    peak_held: int = 0
+    """Most acquisitions held at once."""
+    persistent_bytes: int = 0
+    """Bytes allocated once for the slots (0 for the allocator policies)."""
+    deferred_releases: int = 0
+    """``release_when_unsaved`` calls that found saved references or holds and deferred the release."""
+    fallback_allocations: int = 0
+    """Acquisitions served by the caching allocator because every slot was held (``on_exhausted='allocate'``)."""
+    settled_slots: int = 0
+    """Slot count now (for ``num_slots='auto'``: the depth warm-up settled on)."""
+    grown: int = 0
+    """Slots added by ``num_slots='auto'`` growth."""
+
+
+class _Slot:
+    """One slot: its own base tensor (own version counter), holder and release state."""
+
+    __slots__ = (
+        "base",
+        "capture_event",
+        "eager_event",
+        "generation",
+        "holds",
+        "index",
+        "live",
+        "marks",
+        "pending",
+        "saved_refs",
+        "wait_on",
+        "wait_stream",
+    )
+
+    def __init__(self, index: int, base: torch.Tensor, eager_event: Any, capture_event: Any) -> None:
+        self.index = index
+        self.base = base
+        self.live: torch.Tensor | None = None  # the acquisition while held (released: None)
+        self.generation = 0
+        self.eager_event = eager_event
+        self.capture_event = capture_event
+        self.wait_on: Any = None  # event the next producer must wait on (None: nothing pending)
+        self.wait_stream: Any = None  # stream that event was recorded on (same stream: no wait)
+        self.saved_refs = 0  # live autograd-saved references (track_saved)
+        self.holds = 0  # active Hold objects
+        self.pending = False  # release_when_unsaved called; released when saved_refs == holds == 0
+        self.marks: list[tuple[Any, Any]] = []  # (stream, event) of readers the final release must join
+
+    def state(self) -> str:
+        """Who holds the slot, for error messages."""
+        if self.live is None:
+            return "free"
+        parts = []
+        if self.pending:
+            parts.append("release deferred")
+        if self.saved_refs:
+            parts.append(f"{self.saved_refs} autograd-saved reference(s)")
+        if self.holds:
+            parts.append(f"{self.holds} hold(s)")
+        return "held" + (f" ({', '.join(parts)})" if parts else "")
