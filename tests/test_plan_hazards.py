@@ -72,3 +72,18 @@ def test_every_cycle_is_listed_when_asked():
     assert len(find_hazards(ops, {"dispatch": 2, "expert": 1}, first_only=False).cycles) > 1
     d = find_hazards(ops, {"dispatch": 2, "expert": 1}).to_dict()
     assert d["ok"] is False and d["cycles"][0]["streams"] == ["comm", "compute"]
+
+
+def test_deadlock_demo_schedule_is_predicted_at_slot_zero():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_deadlock_demo.py"
+    spec = importlib.util.spec_from_file_location("plan_deadlock_demo", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    ops = demo.planned_ops()
+    assert max(d.peak for d in ring_depths(ops).values()) == 3
+    cycle = find_hazards(ops, {"dispatch": 2}).cycles[0]
+    assert (cycle.ring, cycle.slot, cycle.waiter.microbatch) == ("dispatch_output", 0, 2)
+    assert find_hazards(ops, {"dispatch": 3}).ok

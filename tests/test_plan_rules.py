@@ -85,3 +85,16 @@ def test_unknown_buffer_is_rejected():
 def test_rule_to_dict_is_plain_json():
     d = release_rule(HYBRIDEP, "dispatch").to_dict()
     assert d["point"] == "backward" and isinstance(d["fields"], list)
+
+
+def test_plan_package_imports_no_torch_and_nothing_above_config():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, bufreuse.plan; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('bufreuse.integrations', 'bufreuse.pool', "
+        "'bufreuse.cli', 'bufreuse.analysis', 'bufreuse.bench', 'bufreuse.launch'))]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -130,7 +130,8 @@ def pending_at(ops: Sequence[Op], buffer: str, lag_steps: int) -> tuple[int, int
     in_flight = [0] * (last_step + 1)
     live = 0
     for op in ops:
-        releases[op.step] += sum(1 for acq in op.releases if acq[0] == buffer)
+        if op.releases:
+            releases[op.step] += sum(1 for acq in op.releases if acq[0] == buffer)
         if op.layer == 0 and op.name in ("dispatch.fwd", "dispatch.bwd"):
             live += 1 if op.name == "dispatch.fwd" else -1  # a pass starts and ends at layer 0
         in_flight[op.step] = live
