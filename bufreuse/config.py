@@ -56,6 +56,8 @@ class BufReuseConfig:
     """How the dispatch buffer is managed: ring | stream-ordered | record-stream (control)."""
     moe_bufreuse_expert_policy: str = "ring"
     """How the expert FC2 output is managed: ring | stream-ordered | record-stream (control)."""
+    moe_bufreuse_auto_max_mib: int = 0
+    """Memory cap per ``auto`` ring in MiB (its growth during warm-up stops there); 0: no cap."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -69,6 +71,9 @@ class BufReuseConfig:
                 setattr(self, name, AUTO)
             elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 bad.append(f"{name}={value!r} (must be an integer >= 0 or 'auto')")
+        cap = self.moe_bufreuse_auto_max_mib
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            bad.append(f"moe_bufreuse_auto_max_mib={cap!r} (must be an integer >= 0)")
         if bad:
             raise ConfigError("invalid bufreuse knobs: " + "; ".join(bad))
 
@@ -80,6 +85,11 @@ class BufReuseConfig:
     def expert_enabled(self) -> bool:
         n = self.moe_hybridep_num_expert_output_buffers
         return n == AUTO or n > 0
+
+    @property
+    def auto_max_bytes(self) -> int | None:
+        """The ``auto`` rings' memory cap in bytes (the pool's ``max_bytes``), None without a cap."""
+        return self.moe_bufreuse_auto_max_mib * 2**20 or None
 
     def enabled(self) -> dict[str, str]:
         """``{buffer key: policy}`` for the buffers switched on."""
@@ -132,6 +142,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=_slots_arg,
         default=0,
         help="Slots in the expert FC2-output ring (0 disables), or 'auto'.",
+    )
+    group.add_argument(
+        "--moe-bufreuse-auto-max-mib",
+        type=int,
+        default=0,
+        help="Memory cap per 'auto' ring in MiB (0: no cap).",
     )
     for buf in ("dispatch", "expert"):
         group.add_argument(

@@ -191,3 +191,40 @@ def test_sweep_plan_config_sets_the_plan(tmp_path):
     assert [r["config_id"] for r in json.loads(res.stdout)["rows"]] == ["slots8"]
     bad = runner.invoke(app, ["sweep", "--slots", "plan", "--plan-config", str(tmp_path / "x.yaml")])
     assert bad.exit_code == 2
+
+
+def test_plan_auto_beside_a_short_ring_still_names_the_short_one(tmp_path):
+    cfg = _cfg(tmp_path, slots=2, extra="moe_hybridep_num_expert_output_buffers: auto\n")
+    res = runner.invoke(app, ["plan", str(cfg), "--json"])
+    data = json.loads(res.stdout)
+    by = {b["buffer"]: b for b in data["buffers"]}
+    assert res.exit_code == 1 and by["expert"]["ok"] and by["dispatch"]["cycle"]["ring"] == "dispatch_output"
+
+
+def test_sweep_plan_config_with_a_refused_ring_is_bad_input(tmp_path):
+    extra = "fine_grained_activation_offloading: true\noffload_modules: [fused_group_mlp]\n"
+    res = runner.invoke(app, ["sweep", "--slots", "plan", "--plan-config", str(_cfg(tmp_path, extra=extra))])
+    assert res.exit_code == 2 and "dispatch cannot be a ring" in res.output
+
+
+def test_auto_memory_cap_knob_reaches_the_config():
+    parser = add_arguments(argparse.ArgumentParser())
+    knobs = BufReuseConfig.from_args(parser.parse_args(["--moe-bufreuse-auto-max-mib", "512"]))
+    assert knobs.auto_max_bytes == 512 * 2**20
+    assert BufReuseConfig().auto_max_bytes is None
+    with pytest.raises(ConfigError, match="moe_bufreuse_auto_max_mib"):
+        BufReuseConfig(moe_bufreuse_auto_max_mib=-1)
+
+
+def test_initial_slots_is_the_planned_minimum_or_none():
+    from bufreuse.plan import initial_slots
+
+    fields = {
+        "num_layers": 8, "pipeline_model_parallel_size": 4, "moe_token_dispatcher_type": "flex",
+        "moe_flex_dispatcher_backend": "hybridep", "num_moe_experts": 8,
+    }  # fmt: skip
+    assert initial_slots(fields, "dispatch", num_microbatches=8) == 8  # bf16: L x (p - r) = 2 x 4
+    assert initial_slots({**fields, "fp8": "e4m3"}, "dispatch", num_microbatches=8) == 1
+    assert initial_slots({**fields, "num_layers": 7}, "dispatch", num_microbatches=8) is None
+    off = {**fields, "fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]}
+    assert initial_slots(off, "dispatch", num_microbatches=8) is None

@@ -39,7 +39,7 @@ def test_planned_minimum_runs_on_cuda_and_one_fewer_raises(case):
 
 
 def _demo(slots: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "plan_deadlock_demo.py"), "--slots", str(slots), "--watchdog-s", "2"],
         capture_output=True, text=True, timeout=180, env=env, check=False,

@@ -27,9 +27,9 @@ def planned_minimum(file: Path | str) -> int:
 
     fields = _fields(file)
     report = plan_config(fields, assume_enabled=True)
-    refused = [b.buffer for b in report.buffers if b.minimum is None]
+    refused = [b for b in report.buffers if b.minimum is None]
     if refused:
-        raise InputError(f"{file}: {', '.join(refused)} cannot be a ring ({report.buffers[0].rule.reason})")
+        raise InputError(f"{file}: {refused[0].buffer} cannot be a ring ({refused[0].rule.reason})")
     return max((b.minimum or 0 for b in report.buffers), default=1)
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "ASSUMPTIONS",
     "BufferPlan",
     "PlanReport",
+    "initial_slots",
     "moe_layers_per_chunk",
     "plan_config",
     "plan_schedule",
@@ -248,7 +249,8 @@ def plan_schedule(
             if cf is not None and len(set(layers_per_chunk)) == 1 and cf[0] == plan.minimum:
                 plan.formula = cf[1]
             if conf != AUTO and plan.minimum and int(conf) < plan.minimum:
-                slots = {b: (int(c) if c != AUTO else 10**6) for b, c in configured.items()}
+                peak = {b: max((d.peak for (bb, _), d in depths.items() if bb == b), default=1) for b in configured}
+                slots = {b: (peak[b] if c == AUTO else int(c)) for b, c in configured.items()}  # auto settles there
                 hz = find_hazards(ops, slots)
                 plan.cycle = next((c for c in hz.cycles if c.ring == BUFFERS[buf]), None)
         plans.append(plan)
@@ -317,3 +319,22 @@ def plan_config(
         lag_steps=lag_steps,
     )
     return PlanReport(spec=spec, layers_per_chunk=layers, buffers=plans, tokens=tokens, path=path, lag_steps=lag_steps)
+
+
+def initial_slots(fields: Mapping[str, Any], buffer: str, *, num_microbatches: int, pp_rank: int = 0) -> int | None:
+    """The planned minimum of ``buffer`` for an ``auto`` ring's first depth; None when it cannot be planned.
+
+    For the integration at ``install()`` time (``register(num_slots="auto", initial_slots=...)``): returns
+    None for a refused buffer, a config the planner cannot read (no ``num_layers``, uneven layers), or a
+    schedule megatron refuses -- then the ring starts small and grows during warm-up.
+    """
+    try:
+        spec = schedule_of(fields, microbatches=num_microbatches, pp_rank=pp_rank)
+        layers = moe_layers_per_chunk(fields, spec)
+    except InputError:
+        return None
+    rule = release_rules(fields)[buffer]
+    if rule.point is ReleasePoint.REFUSED:
+        return None
+    plan = plan_schedule(spec, layers, {buffer: rule}, configured={buffer: AUTO})[0]
+    return plan.minimum or 1
