@@ -20,6 +20,7 @@ from typing import Any
 from bufreuse.errors import ConfigError, InputError
 
 __all__ = [
+    "AUTO",
     "BUFFERS",
     "POLICIES",
     "BufReuseConfig",
@@ -39,6 +40,9 @@ POLICIES = ("ring", "stream-ordered", "record-stream")
 BUFFERS = {"dispatch": "dispatch_output", "expert": "expert_fc2_output"}
 """Short buffer key -> the pool's standard ring name."""
 
+AUTO = "auto"
+"""Slot count that the ring settles on during eager warm-up (``num_slots="auto"`` in the pool)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class BufReuseConfig:
@@ -46,14 +50,16 @@ class BufReuseConfig:
 
     moe_hybridep_reuse_dispatch_output_buffers: bool = False
     """Take the MoE dispatch output from a caller-owned buffer (the seed's knob; also the NCCL path)."""
-    moe_hybridep_num_dispatch_output_buffers: int = 4
-    """Slots in the dispatch-output ring; each holds one static-bound dispatch output."""
-    moe_hybridep_num_expert_output_buffers: int = 0
-    """Slots in the expert FC2-output ring; 0 disables expert-output reuse."""
+    moe_hybridep_num_dispatch_output_buffers: int | str = 4
+    """Slots in the dispatch-output ring (each holds one static-bound dispatch output), or ``"auto"``."""
+    moe_hybridep_num_expert_output_buffers: int | str = 0
+    """Slots in the expert FC2-output ring, or ``"auto"``; 0 disables expert-output reuse."""
     moe_bufreuse_dispatch_policy: str = "ring"
     """How the dispatch buffer is managed: ring | stream-ordered | record-stream (control)."""
     moe_bufreuse_expert_policy: str = "ring"
     """How the expert FC2 output is managed: ring | stream-ordered | record-stream (control)."""
+    moe_bufreuse_auto_max_mib: int = 0
+    """Memory cap per ``auto`` ring in MiB (its growth during warm-up stops there); 0: no cap."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -63,8 +69,13 @@ class BufReuseConfig:
                 bad.append(f"{name}={value!r} (choose from {', '.join(POLICIES)})")
         for name in ("moe_hybridep_num_dispatch_output_buffers", "moe_hybridep_num_expert_output_buffers"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                bad.append(f"{name}={value!r} (must be an integer >= 0)")
+            if isinstance(value, str) and value.strip().lower() == AUTO:
+                setattr(self, name, AUTO)
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                bad.append(f"{name}={value!r} (must be an integer >= 0 or 'auto')")
+        cap = self.moe_bufreuse_auto_max_mib
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            bad.append(f"moe_bufreuse_auto_max_mib={cap!r} (must be an integer >= 0)")
         if bad:
             raise ConfigError("invalid bufreuse knobs: " + "; ".join(bad))
 
@@ -74,7 +85,13 @@ class BufReuseConfig:
 
     @property
     def expert_enabled(self) -> bool:
-        return self.moe_hybridep_num_expert_output_buffers > 0
+        n = self.moe_hybridep_num_expert_output_buffers
+        return n == AUTO or n > 0
+
+    @property
+    def auto_max_bytes(self) -> int | None:
+        """The ``auto`` rings' memory cap in bytes (the pool's ``max_bytes``), None without a cap."""
+        return self.moe_bufreuse_auto_max_mib * 2**20 or None
 
     def enabled(self) -> dict[str, str]:
         """``{buffer key: policy}`` for the buffers switched on."""
@@ -85,8 +102,8 @@ class BufReuseConfig:
             out["expert"] = self.moe_bufreuse_expert_policy
         return out
 
-    def slots(self, buffer: str) -> int:
-        """Slots the pool registers for ``buffer`` (0 unless its policy is ``ring``)."""
+    def slots(self, buffer: str) -> int | str:
+        """Slots the pool registers for ``buffer`` (0 unless its policy is ``ring``; ``"auto"`` if so set)."""
         policy = self.enabled().get(buffer)
         if policy != "ring":
             return 0
@@ -118,15 +135,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--moe-hybridep-num-dispatch-output-buffers",
-        type=int,
+        type=_slots_arg,
         default=4,
-        help="Slots in the dispatch-output ring.",
+        help="Slots in the dispatch-output ring, or 'auto' (grown during eager warm-up).",
     )
     group.add_argument(
         "--moe-hybridep-num-expert-output-buffers",
+        type=_slots_arg,
+        default=0,
+        help="Slots in the expert FC2-output ring (0 disables), or 'auto'.",
+    )
+    group.add_argument(
+        "--moe-bufreuse-auto-max-mib",
         type=int,
         default=0,
-        help="Slots in the expert FC2-output ring (0 disables).",
+        help="Memory cap per 'auto' ring in MiB (0: no cap).",
     )
     for buf in ("dispatch", "expert"):
         group.add_argument(
@@ -136,6 +159,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help=f"Policy for the {buf} buffer: ring, stream-ordered or record-stream (control).",
         )
     return parser
+
+
+def _slots_arg(text: str) -> int | str:
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {value}")
+    return value
 
 
 def load_megatron_file(path: str | Path) -> dict[str, Any]:
@@ -228,7 +263,7 @@ class BufferBound:
     element_size: int
     """Bytes per element of the activation dtype."""
     slots: int
-    """Ring slots (0 for stream-ordered / record-stream)."""
+    """Ring slots (0 for stream-ordered / record-stream, and for ``auto`` until warm-up settles it)."""
     source: str
     """Where the bound comes from, in words."""
 
@@ -318,8 +353,14 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
     out = {}
     for buf in knobs.enabled():
         r = rows if buf == "dispatch" else rows * etp
+        slots = knobs.slots(buf)
         out[buf] = BufferBound(
-            buffer=buf, rows=r, hidden=hidden, element_size=_element_size(cfg), slots=knobs.slots(buf), source=source
+            buffer=buf,
+            rows=r,
+            hidden=hidden,
+            element_size=_element_size(cfg),
+            slots=slots if isinstance(slots, int) else 0,
+            source=source,
         )
     return out
 

@@ -79,7 +79,17 @@ def _imports(name: str, path: Path) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text(), filename=str(path))
     package = name if _is_package(name) else name.rpartition(".")[0]
     out: list[tuple[str, int]] = []
+    # Imports under ``if TYPE_CHECKING:`` never run: annotations only, so they make no runtime cycle.
+    type_only = {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for sub in ast.walk(stmt)
+    }
     for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             out.extend((a.name, node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom):

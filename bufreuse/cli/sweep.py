@@ -26,8 +26,12 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def sweep(
         slots: Annotated[
-            str, typer.Option(help="Ring slots per buffer, comma-separated; 0 is the control.")
+            str,
+            typer.Option(help="Ring slots per buffer, comma-separated; 0 is the control; plan, plan+N: the planner's."),
         ] = "0,4,10",
+        plan_config: Annotated[
+            str | None, typer.Option(help="Megatron config whose planned minimum 'plan' means (default: the proxy's).")
+        ] = None,
         modes: Annotated[
             str, typer.Option(help="Extra modes to add: stream-ordered and/or control (comma-separated).")
         ] = "",
@@ -169,7 +173,7 @@ def register(app: typer.Typer) -> None:
             return
         from bufreuse.analysis.render.sweep_tables import sweep_table
         from bufreuse.analysis.runs.sweep_rows import checksum_mismatches, load_sweep_rows
-        from bufreuse.launch.sweep import SweepSpec, parse_int_list, parse_str_list, run_sweep
+        from bufreuse.launch.sweep import SweepSpec, parse_slot_list, parse_str_list, run_sweep
 
         given = {
             "hidden": hidden, "ffn": ffn, "tokens": tokens, "local_experts": local_experts, "topk": topk,
@@ -178,8 +182,18 @@ def register(app: typer.Typer) -> None:
         }  # fmt: skip
         if workload == "cpu-smoke":  # the CPU-only check workload needs no GPU
             given["device"] = "cpu"
+        plan_minimum = None
+        if plan_config is not None:
+            from bufreuse.cli.plan import planned_minimum
+
+            plan_minimum = lambda: planned_minimum(plan_config)  # noqa: E731
         spec = SweepSpec(
-            slots=parse_int_list(slots, "--slots"),
+            slots=parse_slot_list(
+                slots,
+                params={k: v for k, v in given.items() if v is not None},
+                buffers=parse_str_list(buffers),
+                plan_minimum=plan_minimum,
+            ),
             modes=parse_str_list(modes),
             buffers=parse_str_list(buffers),
             cuda_graph=cuda_graph,

@@ -82,7 +82,7 @@ _LAST = (
         text="at least one dispatch-output slot",
         fix="set moe_hybridep_num_dispatch_output_buffers >= 1 (4 is a good start)",
         why="a ring with 0 slots cannot hold a buffer",
-        test=lambda c: c.knobs.moe_hybridep_num_dispatch_output_buffers >= 1,
+        test=lambda c: c.knobs.slots("dispatch") != 0,  # an int >= 1 or "auto"
     ),
 )
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "build_configs",
     "default_name",
     "parse_int_list",
+    "parse_slot_list",
     "parse_str_list",
     "run_sweep",
 ]
@@ -271,6 +273,24 @@ def parse_int_list(text: str, option: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InputError(f"{option} {text!r}: expected comma-separated integers like 0,4,10") from None
+
+
+def parse_slot_list(
+    text: str, *, params: dict[str, Any], buffers: list[str], plan_minimum: Callable[[], int] | None = None
+) -> list[int]:
+    """``"0,plan,plan+2"`` -> slot counts; ``plan`` is the planner's minimum for the sweep's workload.
+
+    The minimum comes from ``plan_minimum`` (``--plan-config``) or, by default, from the proxy's own
+    schedule with the sweep's microbatches and buffers (:func:`bufreuse.plan.slots.proxy_minimum`).
+    """
+    from bufreuse.plan.slots import proxy_minimum, resolve_slot_spec
+
+    def minimum() -> int:
+        if plan_minimum is not None:
+            return plan_minimum()
+        return proxy_minimum(int({**DEFAULT_PARAMS, **params}["microbatches"]), buffers)
+
+    return [resolve_slot_spec(x, minimum, option="--slots") for x in text.split(",") if x.strip()]
 
 
 def parse_str_list(text: str | None) -> list[str]:

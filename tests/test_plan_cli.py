@@ -1,0 +1,230 @@
+"""`bufreuse plan`, the `auto` slot knob, and `bufreuse sweep --slots plan,plan+2` (CLI end to end)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from bufreuse.cli.app import app
+from bufreuse.config import AUTO, BufReuseConfig, add_arguments, static_bounds
+from bufreuse.errors import ConfigError, InputError
+from bufreuse.launch.sweep import parse_slot_list
+from bufreuse.plan import plan_config, resolve_slot_spec
+
+runner = CliRunner()
+
+BASE = """\
+num_layers: {layers}
+hidden_size: 1024
+num_moe_experts: 16
+moe_router_topk: 2
+moe_token_dispatcher_type: flex
+moe_flex_dispatcher_backend: hybridep
+expert_model_parallel_size: 8
+moe_expert_rank_capacity_factor: 1.0
+pipeline_model_parallel_size: {pp}
+bf16: true
+seq_length: 1024
+micro_batch_size: 1
+num_microbatches: 8
+moe_hybridep_reuse_dispatch_output_buffers: true
+moe_hybridep_num_dispatch_output_buffers: {slots}
+"""
+
+
+def _cfg(tmp_path: Path, *, layers: int = 8, pp: int = 4, slots: int | str = 8, extra: str = "") -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(BASE.format(layers=layers, pp=pp, slots=slots) + extra)
+    return p
+
+
+def test_plan_passes_when_slots_cover_the_1f1b_depth(tmp_path):
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path, slots=8)), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    d = data["buffers"][0]
+    assert data["schedule"]["kind"] == "1f1b" and data["moe_layers_per_chunk"] == [2]
+    assert (d["minimum"], d["formula"], d["release"]["point"]) == (8, "L x min(m, p - r)", "backward")
+    assert d["persistent_bytes"] == 8 * 1024 * 2 * 1024 * 2  # slots x rows (tokens x topk x 1.0) x hidden x 2 B
+
+
+def test_plan_exits_1_and_names_the_cycle_when_slots_are_short(tmp_path):
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path, slots=4))])
+    assert res.exit_code == 1
+    assert "stuck at 4 slot(s)" in res.output and "ring 'dispatch_output'" in res.output
+    assert "4 slot(s) < minimum 8" in res.output
+
+
+def test_plan_pp_rank_changes_the_depth(tmp_path):
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path)), "--pp-rank", "3", "--json"])
+    assert json.loads(res.stdout)["buffers"][0]["minimum"] == 2  # L x (p - r) = 2 x 1
+
+
+def test_plan_fp8_is_constant_one_slot(tmp_path):
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path, slots=1, extra="fp8: e4m3\n")), "--json"])
+    b = json.loads(res.stdout)["buffers"][0]
+    assert res.exit_code == 0 and (b["minimum"], b["constant"]) == (1, True)
+
+
+def test_plan_auto_slots_pass_and_report_the_minimum(tmp_path):
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path, slots="auto")), "--json"])
+    b = json.loads(res.stdout)["buffers"][0]
+    assert res.exit_code == 0 and (b["configured"], b["minimum"]) == ("auto", 8)
+
+
+def test_plan_refused_buffer_exits_1(tmp_path):
+    extra = "fine_grained_activation_offloading: true\noffload_modules: [fused_group_mlp]\n"
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path, extra=extra))])
+    assert res.exit_code == 1 and "refused" in res.output
+
+
+def test_plan_bad_input_exits_2_with_one_line(tmp_path):
+    missing = runner.invoke(app, ["plan", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2 and missing.output.count("error:") == 1 and "Traceback" not in missing.output
+    p = tmp_path / "m.yaml"
+    p.write_text(BASE.format(layers=8, pp=4, slots=4).replace("num_microbatches: 8\n", ""))
+    res = runner.invoke(app, ["plan", str(p)])
+    assert res.exit_code == 2 and "--num-microbatches" in res.output
+    assert runner.invoke(app, ["plan", str(p), "--global-batch-size", "64", "--data-parallel-size", "8"]).exit_code == 1
+    assert runner.invoke(app, ["plan", str(_cfg(tmp_path)), "--pp-rank", "9"]).exit_code == 2
+    uneven = runner.invoke(app, ["plan", str(_cfg(tmp_path, layers=7))])
+    assert uneven.exit_code == 2 and "--moe-layers-per-chunk" in uneven.output
+
+
+def test_plan_nothing_enabled_exits_2_unless_assumed(tmp_path):
+    p = tmp_path / "off.yaml"
+    p.write_text(BASE.format(layers=8, pp=1, slots=4).replace("moe_hybridep_reuse_dispatch_output_buffers: true\n", ""))
+    assert runner.invoke(app, ["plan", str(p)]).exit_code == 2
+    res = runner.invoke(app, ["plan", str(p), "--assume-enabled", "--json"])
+    assert [b["buffer"] for b in json.loads(res.stdout)["buffers"]] == ["dispatch", "expert"]
+
+
+def test_plan_interleaved_reports_each_chunk(tmp_path):
+    cfg = _cfg(tmp_path, layers=16, slots=16, extra="virtual_pipeline_model_parallel_size: 2\n")
+    data = json.loads(runner.invoke(app, ["plan", str(cfg), "--json"]).stdout)
+    b = data["buffers"][0]
+    assert data["schedule"]["kind"] == "interleaved" and b["per_chunk"] == {"0": 16, "1": 8}
+    assert b["rings"] == 2 and b["persistent_bytes"] == 16 * b["slot_bytes"] * 2
+
+
+def test_plan_table_renders(tmp_path):
+    res = runner.invoke(app, ["plan", str(_cfg(tmp_path))])
+    assert res.exit_code == 0 and "dispatch_output" in res.output and "release after backward" in res.output
+
+
+def test_plan_config_moe_layer_freq_counts_moe_layers_only():
+    fields = {
+        "num_layers": 8, "pipeline_model_parallel_size": 2, "moe_layer_freq": 2, "num_microbatches": 4,
+        "moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "expert_model_parallel_size": 8,
+        "moe_hybridep_reuse_dispatch_output_buffers": True,
+    }  # fmt: skip
+    assert plan_config(fields).layers_per_chunk == [2]
+    assert plan_config({**fields, "moe_layer_freq": "[1,1,1,0,0,0,0,1]"}).layers_per_chunk == [3]
+
+
+def test_auto_knob_is_accepted_by_config_and_argparse():
+    knobs = BufReuseConfig(
+        moe_hybridep_num_dispatch_output_buffers="AUTO", moe_hybridep_num_expert_output_buffers="auto"
+    )
+    assert knobs.slots("expert") == AUTO and knobs.expert_enabled
+    knobs = BufReuseConfig.from_mapping(
+        {"moe_hybridep_reuse_dispatch_output_buffers": True, "moe-hybridep-num-dispatch-output-buffers": "auto"}
+    )
+    bound = static_bounds({"hidden_size": 8, "moe_expert_rank_capacity_factor": 1.0}, knobs, path="hybridep", tokens=4)
+    assert knobs.slots("dispatch") == AUTO and bound["dispatch"].slots == 0
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--moe-hybridep-num-dispatch-output-buffers", "auto"])
+    assert BufReuseConfig.from_args(args).moe_hybridep_num_dispatch_output_buffers == AUTO
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-hybridep-num-expert-output-buffers", "many"])
+    with pytest.raises(ConfigError, match="'auto'"):
+        BufReuseConfig(moe_hybridep_num_dispatch_output_buffers="deep")
+
+
+def test_check_config_accepts_auto_slots(tmp_path):
+    res = runner.invoke(app, ["check-config", str(_cfg(tmp_path, slots="auto")), "--json"])
+    data = json.loads(res.stdout)
+    assert not any(r["key"] == "dispatch_slots" and not r["ok"] for r in data["requirements"])
+
+
+@pytest.mark.parametrize("text,want", [("plan", 5), ("plan+2", 7), ("PLAN - 1", 4), ("3", 3)])
+def test_slot_spec_resolves_against_the_plan(text, want):
+    assert resolve_slot_spec(text, 5) == want
+
+
+@pytest.mark.parametrize("text", ["plan*2", "p", "-1", "plan-9"])
+def test_slot_spec_rejects_bad_text(text):
+    with pytest.raises(InputError, match="--slots"):
+        resolve_slot_spec(text, lambda: 5)
+
+
+def test_sweep_slot_list_uses_the_proxy_plan():
+    assert parse_slot_list("0,plan,plan+2", params={}, buffers=["dispatch", "expert"]) == [0, 2, 4]
+    assert parse_slot_list("plan", params={"microbatches": 1}, buffers=["dispatch"]) == [1]
+    assert parse_slot_list("plan", params={}, buffers=["expert"]) == [1]
+    assert parse_slot_list("4,10", params={}, buffers=[], plan_minimum=lambda: 1 / 0) == [4, 10]  # lazy
+
+
+def test_sweep_plan_slots_reach_the_configs(tmp_path):
+    res = runner.invoke(
+        app,
+        ["sweep", "--slots", "plan,plan+2", "--workload", "cpu-smoke", "--root", str(tmp_path), "--name", "p",
+         "--steps", "1", "--warmup-steps", "0", "--record-steps", "0", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    ids = [r["config_id"] for r in json.loads(res.stdout)["rows"]]
+    assert ids == ["slots2", "slots4"]
+
+
+def test_sweep_plan_config_sets_the_plan(tmp_path):
+    cfg = _cfg(tmp_path)
+    res = runner.invoke(
+        app,
+        ["sweep", "--slots", "plan", "--plan-config", str(cfg), "--workload", "cpu-smoke", "--root", str(tmp_path),
+         "--name", "q", "--steps", "1", "--warmup-steps", "0", "--record-steps", "0", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert [r["config_id"] for r in json.loads(res.stdout)["rows"]] == ["slots8"]
+    bad = runner.invoke(app, ["sweep", "--slots", "plan", "--plan-config", str(tmp_path / "x.yaml")])
+    assert bad.exit_code == 2
+
+
+def test_plan_auto_beside_a_short_ring_still_names_the_short_one(tmp_path):
+    cfg = _cfg(tmp_path, slots=2, extra="moe_hybridep_num_expert_output_buffers: auto\n")
+    res = runner.invoke(app, ["plan", str(cfg), "--json"])
+    data = json.loads(res.stdout)
+    by = {b["buffer"]: b for b in data["buffers"]}
+    assert res.exit_code == 1 and by["expert"]["ok"] and by["dispatch"]["cycle"]["ring"] == "dispatch_output"
+
+
+def test_sweep_plan_config_with_a_refused_ring_is_bad_input(tmp_path):
+    extra = "fine_grained_activation_offloading: true\noffload_modules: [fused_group_mlp]\n"
+    res = runner.invoke(app, ["sweep", "--slots", "plan", "--plan-config", str(_cfg(tmp_path, extra=extra))])
+    assert res.exit_code == 2 and "dispatch cannot be a ring" in res.output
+
+
+def test_auto_memory_cap_knob_reaches_the_config():
+    parser = add_arguments(argparse.ArgumentParser())
+    knobs = BufReuseConfig.from_args(parser.parse_args(["--moe-bufreuse-auto-max-mib", "512"]))
+    assert knobs.auto_max_bytes == 512 * 2**20
+    assert BufReuseConfig().auto_max_bytes is None
+    with pytest.raises(ConfigError, match="moe_bufreuse_auto_max_mib"):
+        BufReuseConfig(moe_bufreuse_auto_max_mib=-1)
+
+
+def test_initial_slots_is_the_planned_minimum_or_none():
+    from bufreuse.plan import initial_slots
+
+    fields = {
+        "num_layers": 8, "pipeline_model_parallel_size": 4, "moe_token_dispatcher_type": "flex",
+        "moe_flex_dispatcher_backend": "hybridep", "num_moe_experts": 8,
+    }  # fmt: skip
+    assert initial_slots(fields, "dispatch", num_microbatches=8) == 8  # bf16: L x (p - r) = 2 x 4
+    assert initial_slots({**fields, "fp8": "e4m3"}, "dispatch", num_microbatches=8) == 1
+    assert initial_slots({**fields, "num_layers": 7}, "dispatch", num_microbatches=8) is None
+    off = {**fields, "fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]}
+    assert initial_slots(off, "dispatch", num_microbatches=8) is None
