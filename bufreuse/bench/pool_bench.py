@@ -18,6 +18,7 @@ eager <-> CUDA-graph event transitions that the seed built on ``torch.cuda.Event
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import platform
@@ -42,6 +43,7 @@ TRACKED_ROW = "BufferPool ring, tracking on (acquire + release_when_unsaved)"
 HOOK_ROWS = (
     "track_saved pack hook, per saved tensor (not ring storage)",
     "track_saved pack hook + free, per saved tensor (ring storage)",
+    "identity saved_tensors_hooks, per saved tensor (torch's own floor)",
 )
 
 Progress = Callable[[int, int], None]
@@ -111,7 +113,7 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
                 if progress is not None:
                     progress(done, total)
     base = statistics.median(samples[baseline_name])
-    for hook_row, bare in zip(HOOK_ROWS, ("_bare_saves", "_bare_saves_ring"), strict=True):
+    for hook_row, bare in zip(HOOK_ROWS, ("_bare_saves", "_bare_saves_ring", "_bare_saves_identity"), strict=True):
         base_saves = samples.pop(bare)  # the same forward without hooks; 2 saved tensors per forward
         samples[hook_row] = [(t - b) / 2 for t, b in zip(samples[hook_row], base_saves, strict=True)]
     rows = [
@@ -143,6 +145,7 @@ def run_pool_bench(cfg: PoolBenchConfig, *, progress: Progress | None = None) ->
         "hook_us_per_saved_tensor": {
             "not_ring_storage": by_name[HOOK_ROWS[0]]["us_per_pair"],
             "ring_storage": by_name[HOOK_ROWS[1]]["us_per_pair"],
+            "identity_hooks": by_name[HOOK_ROWS[2]]["us_per_pair"],
         },
         "target_ratio": TARGET_RATIO,
         "meets_target": pool_ratio <= TARGET_RATIO,
@@ -221,9 +224,12 @@ def _hook_loops(pool: BufferPool, device: torch.device) -> dict[str, Callable[[i
     slot = pool.acquire("hook_probe")
     ring_x = slot.requires_grad_()  # ring storage that autograd saves
 
-    def forwards(x: torch.Tensor, tracked: bool) -> Callable[[int], None]:
+    def identity() -> contextlib.AbstractContextManager[None]:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+    def forwards(x: torch.Tensor, tracked: bool, hooks: Callable[[], Any] | None = None) -> Callable[[int], None]:
         def loop(n: int) -> None:
-            with pool.track_saved(strict=False) if tracked else _null():
+            with (hooks or (lambda: pool.track_saved(strict=False)))() if tracked else _null():
                 for _ in range(n):
                     y = x * w  # saves x and w; y (and its saved holders) freed at the next iteration
             del y
@@ -235,6 +241,8 @@ def _hook_loops(pool: BufferPool, device: torch.device) -> dict[str, Callable[[i
         "_bare_saves": forwards(plain, False),
         HOOK_ROWS[1]: forwards(ring_x, True),
         "_bare_saves_ring": forwards(ring_x, False),
+        HOOK_ROWS[2]: forwards(plain, True, identity),
+        "_bare_saves_identity": forwards(plain, False),
     }
 
 

@@ -8,7 +8,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["Phase", "RingStats"]
+__all__ = ["Phase", "RingStats", "StorageIndex"]
+
+
+class StorageIndex(dict):
+    """Storage pointer -> ring, plus the byte spans of those storages for the saved-tensor pack hook.
+
+    The pack hook runs for every tensor autograd saves inside ``track_saved``; ``data_ptr()`` and a
+    span test cost less there than building an ``untyped_storage()`` object per saved tensor. A tensor
+    whose data pointer lies in a ring's storage can only be a view of it (the ring owns that memory).
+    ``spans`` is mutated in place, so hooks that captured it see storages added later (``auto`` growth).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[int, int, Any, int]] = []
+        """(first byte, end byte, ring, storage pointer) per registered storage."""
+
+    def add(self, ptr: int, nbytes: int, ring: Any) -> None:
+        """Register one storage of ``ring`` (``nbytes`` long, starting at ``ptr``)."""
+        self[ptr] = ring
+        self.spans.append((ptr, ptr + max(nbytes, 1), ring, ptr))
 
 
 class Phase(enum.Enum):

@@ -29,6 +29,7 @@ import torch
 
 from bufreuse.pool._config import resolve_device, storage_ptr
 from bufreuse.pool._device import env_debug, is_capturing
+from bufreuse.pool._state import StorageIndex
 from bufreuse.pool.allocating import AllocatingBuffer
 from bufreuse.pool.errors import CaptureStateError, RingConfigError, UnknownBufferError
 from bufreuse.pool.policy import Policy
@@ -54,7 +55,7 @@ class BufferPool:
         self.watchdog: Watchdog | None = Watchdog(watchdog_s) if self.debug and self.device.type == "cuda" else None
         self._entries: dict[str, BufferRing | AllocatingBuffer] = {}
         self._specs: dict[str, tuple[Policy, int, tuple[int, ...], torch.dtype]] = {}
-        self._rings_by_storage: dict[int, BufferRing] = {}
+        self._rings_by_storage = StorageIndex()
         self._phase = Phase.EAGER
 
     def __repr__(self) -> str:

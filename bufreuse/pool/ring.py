@@ -29,7 +29,7 @@ import torch
 
 from bufreuse.pool._config import check_config, resolve_device, storage_ptr
 from bufreuse.pool._device import DeviceOps, env_debug, is_capturing
-from bufreuse.pool._state import Phase, RingStats, _Slot
+from bufreuse.pool._state import Phase, RingStats, StorageIndex, _Slot
 from bufreuse.pool.errors import (
     CaptureStateError,
     DoubleReleaseError,
@@ -130,8 +130,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         self._storage_ptr = self._storage.untyped_storage().data_ptr()
         self._storages: list[torch.Tensor] = [self._storage]
         self._slot_map: dict[int, tuple[int, int]] = {self._storage_ptr: (0, num_slots)}
-        self._registry: dict[int, BufferRing] = {} if registry is None else registry
-        self._registry[self._storage_ptr] = self
+        self._registry: StorageIndex = StorageIndex() if registry is None else registry
+        self._registry.add(self._storage_ptr, self._storage.untyped_storage().nbytes(), self)
         self._slots = [self._new_slot(i, self._storage, i * self._stride) for i in range(num_slots)]
         self._fence = self._ops.new_event()
         self._lock = threading.RLock()  # saved-ref counts and deferral; reentrant: a holder may be freed by GC inside

@@ -14,16 +14,13 @@ import logging
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bufreuse.pool._device import is_capturing
-from bufreuse.pool._state import Phase, _Slot
+from bufreuse.pool._state import Phase, StorageIndex, _Slot
 from bufreuse.pool.errors import CaptureStateError, EarlyReuseError
-
-if TYPE_CHECKING:
-    from bufreuse.pool.ring import BufferRing
 
 __all__ = ["RingCapacity"]
 
@@ -54,7 +51,7 @@ class RingCapacity:
     _stride: int
     _storages: list[torch.Tensor]
     _slot_map: dict[int, tuple[int, int]]
-    _registry: dict[int, BufferRing]
+    _registry: StorageIndex
     _fallback: dict[int, tuple[torch.Tensor, Any]]
     _fallback_done: weakref.WeakValueDictionary
     _fallbacks: int
@@ -114,7 +111,7 @@ class RingCapacity:
         slot = self._new_slot(self.num_slots, storage, 0)
         self._storages.append(storage)
         self._slot_map[ptr] = (slot.index, 1)
-        self._registry[ptr] = self
+        self._registry.add(ptr, storage.untyped_storage().nbytes(), self)
         self._slots.append(slot)
         self.num_slots += 1
         self.persistent_bytes += self.slot_bytes

@@ -5,10 +5,10 @@ not the forward consumer that calls ``release`` but autograd (the bf16 expert GE
 view of the dispatch slot, for backward) or a deferred weight-gradient pass outside autograd
 (TE/Megatron's wgrad store, read in ``backward_dw()``). This module makes both facts visible:
 
-* :func:`track_saved` installs ``torch.autograd.graph.saved_tensors_hooks``. **pack** looks the saved
-  tensor's storage pointer up in the pool's storage registry (one dict lookup; every other tensor
-  passes through untouched) and, for ring storage of a held slot, returns a :class:`_SavedRef` that
-  counts one saved reference on (ring, slot, generation). Autograd frees the holder when it frees the
+* :func:`track_saved` installs ``torch.autograd.graph.saved_tensors_hooks``. **pack** tests the saved
+  tensor's data pointer against the byte spans of the pool's ring storages (a few integer
+  comparisons; every other tensor passes through untouched) and, for ring storage of a held slot,
+  returns a :class:`_SavedRef` that counts one saved reference on (ring, slot, generation). Autograd frees the holder when it frees the
   saved variable — after enqueuing the backward that read it, or when the graph is dropped — and the
   holder's ``__del__`` takes the count back down. **unpack** hands the tensor back, raising
   ``SavedForBackwardError`` if the slot was acquired again since (its data may be another
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bufreuse.pool._state import StorageIndex
 from bufreuse.pool.errors import SavedForBackwardError
 
 if TYPE_CHECKING:
@@ -207,17 +208,28 @@ def track_saved(registry: Mapping[int, BufferRing], *, strict: bool = False) -> 
         SavedForBackwardError: at pack (strict) for a released slot; at unpack when the slot was
             acquired again since the save.
     """
-    get = registry.get
+    spans = registry.spans if isinstance(registry, StorageIndex) else None
 
     def pack(tensor: torch.Tensor) -> Any:
         try:
-            ptr = tensor.untyped_storage().data_ptr()
+            ptr = tensor.data_ptr()
         except (AttributeError, RuntimeError, TypeError, NotImplementedError):
             return tensor
-        ring = get(ptr)
-        if ring is None:
-            return tensor
-        return ring._track(tensor, ptr, strict)
+        for first, end, ring, storage in spans:
+            if first <= ptr < end:
+                return ring._track(tensor, storage, strict)
+        return tensor
+
+    if spans is None:  # a plain mapping: look the storage pointer up
+        get = registry.get
+
+        def pack(tensor: torch.Tensor) -> Any:
+            try:
+                ptr = tensor.untyped_storage().data_ptr()
+            except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+                return tensor
+            ring = get(ptr)
+            return tensor if ring is None else ring._track(tensor, ptr, strict)
 
     def unpack(packed: Any) -> torch.Tensor:
         if type(packed) is _SavedRef:
