@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from bufreuse import __version__
-from bufreuse.cli import bench, check_config, compare, demo, snapshot_report, sweep
+from bufreuse.cli import bench, check_config, compare, demo, snapshot_diff, snapshot_report, sweep, what_if
 from bufreuse.cli._common import CliState, set_debug
 
 __all__ = ["app", "main"]
@@ -40,7 +40,7 @@ def _root(
     set_debug(debug)
 
 
-for _module in (snapshot_report, sweep, compare, demo, check_config, bench):
+for _module in (snapshot_report, snapshot_diff, what_if, sweep, compare, demo, check_config, bench):
     _module.register(app)
 
 
