@@ -30,6 +30,7 @@ __all__ = [
     "TraceOps",
     "classify_allocs",
     "device_segments",
+    "frame_site_lookup",
     "max_split_size",
     "settings_warnings",
 ]
@@ -217,6 +218,28 @@ def classify_allocs(
             )
         )
     return remap[ev_group], rings
+
+
+def frame_site_lookup(rules: SiteRules) -> Callable[[Any], str]:
+    """``frames -> site`` as ``rules.site`` returns it, reading each distinct frame object once."""
+    site_of, _ = _frame_caches(rules, [])
+    by_id: dict[int, str | None] = {}
+    k0 = rules.site_frame
+
+    def lookup(frames: Any) -> str:
+        if not isinstance(frames, list):
+            return UNKNOWN_SITE
+        k = k0
+        for f in frames:
+            key = id(f)
+            s = by_id[key] if key in by_id else by_id.setdefault(key, site_of(f))
+            if s is not None:
+                if k == 0:
+                    return s
+                k -= 1
+        return UNKNOWN_SITE
+
+    return lookup
 
 
 def _site(frames: list[Any], site_of: Callable[[Any], str | None], k: int) -> str:
