@@ -209,6 +209,15 @@ def test_pending_blocks_are_never_reused_and_a_ring_removes_them(tmp_path: Path)
     assert r.measured_max_reserved == 6 * 64 * MiB
 
 
+def test_forked_replays_equal_inline_ones_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bufreuse.analysis.whatif as whatif_module
+
+    inline = what_if(CONTROL, [2, 4, 10]).to_json()
+    monkeypatch.setattr(whatif_module, "PARALLEL_MIN_OPS", 0)  # every slot count in a forked worker
+    forked = what_if(CONTROL, [2, 4, 10]).to_json()
+    assert forked == inline
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
