@@ -212,6 +212,14 @@ def progress_bar(label: str, *, unit: str = "items", refresh_thread: bool = True
         yield tick
 
 
+def write_figure(path: str | os.PathLike[str], fig: Any) -> Path:
+    """Write one matplotlib Figure as a PNG to ``path`` (atomically); returns the path."""
+    from bufreuse.analysis.render.export import png_bytes
+    from bufreuse.fsutil import atomic_write_bytes
+
+    return atomic_write_bytes(path, png_bytes(fig))
+
+
 def write_figures(folder: str | os.PathLike[str], figures: Mapping[str, Any]) -> list[Path]:
     """Write ``{file name: matplotlib Figure}`` as PNGs into ``folder`` (atomically); returns the paths."""
     from bufreuse.analysis.render.export import png_bytes

@@ -9,10 +9,10 @@ view of the dispatch slot, for backward) or a deferred weight-gradient pass outs
   tensor's data pointer against the byte spans of the pool's ring storages (a few integer
   comparisons; every other tensor passes through untouched) and, for ring storage of a held slot,
   returns a :class:`_SavedRef` that counts one saved reference on (ring, slot, generation). Autograd
-  frees the holder when it frees the saved variable — after enqueuing the backward that read it, or when the graph is dropped — and the
-  holder's ``__del__`` takes the count back down. **unpack** hands the tensor back, raising
-  ``SavedForBackwardError`` if the slot was acquired again since (its data may be another
-  microbatch's).
+  frees the holder when it frees the saved variable — after enqueuing the backward that read it,
+  or when the graph is dropped — and the holder's ``__del__`` takes the count back down. **unpack**
+  hands the tensor back, raising ``SavedForBackwardError`` if the slot was acquired again since (its
+  data may be another microbatch's).
 * :class:`Hold` (``pool.hold(name, tensor)``) is a reader outside autograd's saved tensors; the slot is
   released only after every hold is ``done``.
 

@@ -52,16 +52,25 @@ def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
         drawstyle="steps-post",
         label="active (allocated + pending free)",
     )
-    ax.fill_between(
-        x,
-        timeline.allocated / _GiB,
-        timeline.active / _GiB,
-        color="tab:orange",
-        alpha=0.45,
-        lw=0,
-        step="post",
-        label="pending free",
-    )
+    if timeline.pending_by_site:  # the pending-free band, stacked by allocation site
+        low = timeline.allocated / _GiB
+        for k, (site, b) in enumerate(timeline.pending_by_site.items()):
+            high = low + b / _GiB
+            ax.fill_between(
+                x, low, high, color=f"C{(k + 1) % 10}", alpha=0.5, lw=0, step="post", label=f"pending free: {site}"
+            )
+            low = high
+    else:
+        ax.fill_between(
+            x,
+            timeline.allocated / _GiB,
+            timeline.active / _GiB,
+            color="tab:orange",
+            alpha=0.45,
+            lw=0,
+            step="post",
+            label="pending free",
+        )
     ax.axvline(timeline.max_active_x, color="tab:red", ls="--", lw=0.8)
     ax.scatter(
         [timeline.max_active_x],

@@ -36,6 +36,8 @@ class ReportConfig:
     """Extra filename regexes whose frames are not user frames."""
     timeline_points: int = 0
     """Points of the reserved/active/pending timeline to keep for ``--plot`` (0 = none)."""
+    pending_series_points: int = 2000
+    """Points of the pending-free-by-site series in the report's ``pending_free_series`` (0 = none)."""
 
     def rules(self) -> SiteRules:
         return SiteRules(site_frame=self.site_frame, site_skip=tuple(self.site_skip), categories=self.categories)
@@ -52,6 +54,7 @@ class Timeline:
     active: np.ndarray
     max_active_x: float
     max_active_bytes: int
+    pending_by_site: dict[str, np.ndarray] | None = None  # pending-free bands at the same points
 
 
 def analyze(data: SnapshotData, config: ReportConfig) -> tuple[dict[str, Any], Timeline | None]:
@@ -85,7 +88,24 @@ def analyze(data: SnapshotData, config: ReportConfig) -> tuple[dict[str, Any], T
             for d in devices
         }
     timeline = _timeline(t, r, config.timeline_points) if t is not None and r is not None else None
+    if t is not None and r is not None and len(t):
+        _pending_by_site(report, timeline, t, r, rules, config)
     return report, timeline
+
+
+def _pending_by_site(
+    report: dict[str, Any], timeline: Timeline | None, t: EventTable, r: Replay, rules: SiteRules, config: ReportConfig
+) -> None:
+    """Add the pending-free series by site to the report (and as bands to the timeline)."""
+    from bufreuse.analysis.snapshot.pending_sites import downsample, pending_series
+
+    if config.pending_series_points > 0:
+        picks = downsample(r.active, config.pending_series_points)
+        x = (t.time_us[picks] - t.time_us[0]) / 1e6 if t.time_us is not None else None
+        report["pending_free_series"] = pending_series(t, r, rules, picks).to_json(x)
+    if timeline is not None:
+        ps = pending_series(t, r, rules, downsample(r.active, config.timeline_points))
+        timeline.pending_by_site = dict(zip(ps.sites, ps.bytes, strict=True))
 
 
 def _int_or_none(v: Any) -> int | None:

@@ -1,0 +1,100 @@
+"""`bufreuse what-if CONTROL_SNAPSHOT --slots 2,4,10`: predicted memory with the MoE buffers on rings."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from bufreuse.cli._common import console, err_console, handle_errors, json_option, write_figure
+from bufreuse.cli._validate import check_output_file
+
+__all__ = ["register"]
+
+
+def _slot_counts(text: str) -> list[int]:
+    from bufreuse.errors import InputError
+
+    try:
+        counts = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise InputError(f"--slots must be comma-separated integers, got {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise InputError(f"--slots must list slot counts >= 1 (0, the control, is always shown), got {text!r}")
+    return counts
+
+
+def _measured(options: list[str]) -> dict[int, str]:
+    from bufreuse.errors import InputError
+
+    out: dict[int, str] = {}
+    for opt in options:
+        n, sep, path = opt.partition("=")
+        if not sep or not n.strip().isdigit() or not path:
+            raise InputError(f"--measured must be SLOTS=PATH (a snapshot or metrics.json), got {opt!r}")
+        if not Path(path).is_file():
+            raise InputError(f"--measured {opt}: no such file")
+        out[int(n)] = path
+    return out
+
+
+@handle_errors
+def what_if(
+    snapshot: Annotated[Path, typer.Argument(help="A control allocator snapshot with a trace (record_stream run).")],
+    slots: Annotated[str, typer.Option(help="Slot counts per ring to predict, comma-separated.")] = "2,4,10",
+    site: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="REGEX on a block's site (path:line:function); each is one ring. Default: the "
+            "MoE categories (dispatch_output, expert_output). Repeatable."
+        ),
+    ] = None,
+    category: Annotated[
+        list[str] | None,
+        typer.Option(help="Extra category NAME=REGEX on the alloc stack (each becomes a ring); repeatable."),
+    ] = None,
+    site_frame: Annotated[int, typer.Option(min=0, help="Which user frame names a site (0 = innermost).")] = 0,
+    measured: Annotated[
+        list[str] | None,
+        typer.Option(help="SLOTS=PATH: a measured run (snapshot or metrics.json) to show the error against."),
+    ] = None,
+    json_out: Annotated[bool, json_option("the rings and predictions")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of predicted (and measured) memory per N.")] = None,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --plot file's missing folders.")] = False,
+) -> None:
+    """Predict max reserved and allocated if the named sites were served from N persistent slots."""
+    check_output_file(plot, suffixes=(".png",), mkdir=mkdir, option="--plot")
+    from bufreuse.analysis.snapshot.sites import parse_category_options
+    from bufreuse.analysis.snapshot.whatif import what_if as run
+    from bufreuse.errors import InputError
+
+    counts = _slot_counts(slots)
+    try:
+        cats = parse_category_options(category or [])
+        for p in site or []:
+            re.compile(p)
+    except (ValueError, re.error) as e:
+        raise InputError(f"bad --site/--category: {e}") from None
+    result = run(
+        snapshot, counts, sites=tuple(site or ()), categories=cats, site_frame=site_frame,
+        measured=_measured(measured or []),
+    )  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+    else:
+        from bufreuse.analysis.render.whatif import whatif_renderable
+
+        console.print(whatif_renderable(result))
+    if plot is not None:
+        from bufreuse.analysis.render.whatif import whatif_figure
+
+        err_console.print(f"wrote {escape(str(write_figure(plot, whatif_figure(result))))}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``what-if`` to ``app``."""
+    app.command("what-if")(what_if)
