@@ -7,13 +7,18 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from bufreuse.cli._common import TickFn, console, err_console, handle_errors, is_debug, json_option, progress_bar
 
 __all__ = ["register"]
+
+
+def _budget(what: str) -> Any:
+    return typer.Option(min=1, help=f"Budget: {what}", rich_help_panel="Budgets (raise for trusted big files)")
 
 
 @handle_errors
@@ -44,10 +49,27 @@ def snapshot_report(
         int | None,
         typer.Option(min=1, help="Processes for several files (default: one per CPU, at most one per file)."),
     ] = None,
+    max_file_bytes: Annotated[int | None, _budget("bytes of a file on disk (default 4 GiB).")] = None,
+    max_pickle_bytes: Annotated[int | None, _budget("bytes of a decompressed pickle (default 64 GiB).")] = None,
+    max_trace_entries: Annotated[int | None, _budget("trace entries, all devices (default 8,000,000).")] = None,
+    max_blocks: Annotated[int | None, _budget("segments plus blocks (default 2,000,000).")] = None,
+    max_memory_bytes: Annotated[
+        int | None, _budget("memory one file may add, bytes (default 2 GiB, or 40 per file byte).")
+    ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
     from bufreuse.analysis.snapshot import ReportConfig, combine, parse_category_options, report_files
+    from bufreuse.analysis.snapshot.budget import SnapshotBudget
     from bufreuse.errors import InputError
+
+    raised = {
+        "max_file_bytes": max_file_bytes,
+        "max_pickle_bytes": max_pickle_bytes,
+        "max_trace_entries": max_trace_entries,
+        "max_blocks": max_blocks,
+        "max_memory_bytes": max_memory_bytes,
+    }
+    budget = SnapshotBudget(**{k: v for k, v in raised.items() if v is not None})
 
     try:
         cats = parse_category_options(category or [])
@@ -64,14 +86,20 @@ def snapshot_report(
     paths = [str(f) for f in files]
     with _file_progress(len(paths)) as (on_bytes, on_done):
         results = report_files(
-            paths, config, progress=on_bytes, on_file_done=on_done, workers=workers, raise_errors=_debug(ctx)
+            paths,
+            config,
+            progress=on_bytes,
+            on_file_done=on_done,
+            workers=workers,
+            raise_errors=_debug(ctx),
+            budget=budget,
         )
 
     failed = 0
     for i, res in enumerate(results):
         if res.error is not None or res.report is None:
             failed += 1
-            err_console.print(f"[bold red]error:[/] {res.error}", soft_wrap=True, highlight=False, markup=True)
+            err_console.print(f"[bold red]error:[/] {escape(res.error or '')}", soft_wrap=True, highlight=False)
             continue
         if json_out:
             typer.echo(json.dumps(res.report, allow_nan=False, default=str))
