@@ -92,7 +92,10 @@ def handle_errors(fn: F) -> F:
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+    """The message on one line, rich markup escaped (messages quote file names and file contents)."""
+    from rich.markup import escape
+
+    return escape(" ".join(str(e).split()) or type(e).__name__)
 
 
 def json_option(what: str = "the result") -> Any:

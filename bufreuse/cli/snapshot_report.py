@@ -50,7 +50,9 @@ def snapshot_report(
         typer.Option(min=1, help="Processes for several files (default: one per CPU, at most one per file)."),
     ] = None,
     max_file_bytes: Annotated[int | None, _budget("bytes of a file on disk (default 4 GiB).")] = None,
-    max_pickle_bytes: Annotated[int | None, _budget("bytes of a decompressed pickle (default 64 GiB).")] = None,
+    max_pickle_bytes: Annotated[
+        int | None, _budget("bytes of a decompressed pickle (default 200 x the gzip file + 64 MiB).")
+    ] = None,
     max_trace_entries: Annotated[int | None, _budget("trace entries, all devices (default 8,000,000).")] = None,
     max_blocks: Annotated[int | None, _budget("segments plus blocks (default 2,000,000).")] = None,
     max_memory_bytes: Annotated[

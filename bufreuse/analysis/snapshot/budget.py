@@ -24,9 +24,11 @@ from dataclasses import dataclass, fields
 
 from bufreuse.errors import InputError
 
-__all__ = ["BUDGET_FLAGS", "BudgetExceededError", "SnapshotBudget", "memory_limit"]
+__all__ = ["BUDGET_FLAGS", "GZIP_EXPANSION", "BudgetExceededError", "SnapshotBudget", "memory_limit"]
 
 _GiB = 1 << 30
+GZIP_EXPANSION = 200
+"""Decompressed bytes per compressed byte a gzip snapshot may reach unless ``--max-pickle-bytes`` says."""
 
 BUDGET_FLAGS: dict[str, str] = {
     "max_file_bytes": "--max-file-bytes",
@@ -69,10 +71,9 @@ class SnapshotBudget:
 
     max_file_bytes: int = 4 * _GiB
     """Bytes of the file on disk (``--max-file-bytes``)."""
-    max_pickle_bytes: int = 64 * _GiB
-    """Bytes of pickle after gzip decompression (``--max-pickle-bytes``): stops gzip bombs."""
-    max_expansion: int = 200
-    """Decompressed bytes per compressed byte a gzip file may reach (real snapshots: 5-30x)."""
+    max_pickle_bytes: int | None = None
+    """Bytes of pickle after gzip decompression (``--max-pickle-bytes``): stops gzip bombs. None:
+    ``GZIP_EXPANSION`` times the file plus 64 MiB (real snapshots compress 5-30x), at most 64 GiB."""
     max_trace_entries: int = 8_000_000
     """Trace entries over all devices (``--max-trace-entries``); 5M-entry recordings fit."""
     max_blocks: int = 2_000_000
@@ -85,9 +86,17 @@ class SnapshotBudget:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if v is None and f.name == "max_pickle_bytes":
+                continue
             if type(v) is not int or v <= 0:
                 flag = BUDGET_FLAGS.get(f.name, f.name)
                 raise InputError(f"{flag} must be a positive integer, got {v!r}")
+
+    def pickle_bytes_for(self, file_bytes: int) -> int:
+        """The decompressed-bytes budget for a gzip file of ``file_bytes``."""
+        if self.max_pickle_bytes is not None:
+            return self.max_pickle_bytes
+        return min(64 * _GiB, GZIP_EXPANSION * file_bytes + (64 << 20))
 
     def memory_for(self, file_bytes: int) -> int:
         """The memory budget for a file of ``file_bytes``: the floor, or more for big files."""

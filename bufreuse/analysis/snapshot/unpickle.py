@@ -35,7 +35,6 @@ __all__ = ["GZIP_MAGIC", "RefusedGlobalError", "SafeUnpickler", "load_pickle_fil
 
 GZIP_MAGIC = b"\x1f\x8b"
 _PROGRESS_STEP = 4 << 20  # report progress every 4 MiB read
-_GZIP_SLACK = 64 << 20  # decompressed bytes always allowed on top of max_expansion x the file
 
 ProgressFn = Callable[[int, int], None]
 """Called as ``progress(bytes_read, total_bytes)`` while a file loads."""
@@ -64,8 +63,7 @@ def loads_restricted(data: bytes, *, budget: SnapshotBudget | None = None) -> An
     src: Any = io.BytesIO(data)
     if data[:2] == GZIP_MAGIC:
         src = gzip.GzipFile(fileobj=src, mode="rb")
-        limit = min(budget.max_pickle_bytes, budget.max_expansion * len(data) + _GZIP_SLACK)
-        src = _MeteredStream(src, limit=limit, end=None, where="<bytes>")
+        src = _MeteredStream(src, limit=budget.pickle_bytes_for(len(data)), end=None, where="<bytes>")
     return SafeUnpickler(src).load()
 
 
@@ -178,10 +176,9 @@ def load_pickle_file(
             src = io.BufferedReader(_CountingReader(raw, total, progress), buffer_size=1 << 20)
         if magic == GZIP_MAGIC:
             src = gzip.GzipFile(fileobj=src, mode="rb")
-            limit = min(budget.max_pickle_bytes, budget.max_expansion * total + _GZIP_SLACK)
-            src = _MeteredStream(src, limit=limit, end=None, where=str(path))
+            src = _MeteredStream(src, limit=budget.pickle_bytes_for(total), end=None, where=str(path))
         else:
-            src = _MeteredStream(src, limit=budget.max_pickle_bytes, end=total, where=str(path))
+            src = _MeteredStream(src, limit=total, end=total, where=str(path))
         try:
             with memory_limit(budget.memory_for(total * (10 if magic == GZIP_MAGIC else 1))):
                 obj = SafeUnpickler(src).load()
