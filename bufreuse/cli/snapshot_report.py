@@ -56,7 +56,7 @@ def snapshot_report(
     max_trace_entries: Annotated[int | None, _budget("trace entries, all devices (default 8,000,000).")] = None,
     max_blocks: Annotated[int | None, _budget("segments plus blocks (default 2,000,000).")] = None,
     max_memory_bytes: Annotated[
-        int | None, _budget("memory one file may add, bytes (default 2 GiB, or 40 per file byte).")
+        int | None, _budget("memory one file may add, bytes (default 1.5 GiB, or 40 per file byte).")
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""

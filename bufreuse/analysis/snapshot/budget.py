@@ -78,7 +78,7 @@ class SnapshotBudget:
     """Trace entries over all devices (``--max-trace-entries``); 5M-entry recordings fit."""
     max_blocks: int = 2_000_000
     """Segments plus blocks in the final state (``--max-blocks``)."""
-    max_memory_bytes: int = 2 * _GiB
+    max_memory_bytes: int = 1536 << 20
     """Memory the load and the analysis may add (``--max-memory-bytes``); the floor for any file."""
     memory_per_file_byte: int = 40
     """Memory allowed per byte of (decompressed) file above the floor: big real files need it."""
