@@ -181,22 +181,93 @@ def load_megatron_file(path: str | Path) -> dict[str, Any]:
     Raises :class:`InputError` when the file cannot be read or parsed.
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {p}: {e}") from None
+    text = _read_config_text(p)
     first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
     if p.suffix in (".yaml", ".yml") or not first.startswith("--"):
         import yaml
 
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise InputError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
-        if not isinstance(data, dict):
-            raise InputError(f"{p}: expected a mapping of Megatron fields at the top level")
-        return _flatten(data)
-    return _parse_args_text(text, p)
+            data = yaml.load(text, Loader=_no_alias_loader())
+            if not isinstance(data, dict):
+                raise InputError(f"{p}: expected a mapping of Megatron fields at the top level")
+            return _checked_numbers(_flatten(data), p)
+        except yaml.YAMLError as e:  # the message names the place, never quotes the file's text
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise InputError(f"{p} is not valid YAML{at}: {_cut(' '.join(str(problem).split()))}") from None
+        except RecursionError:
+            raise InputError(f"{p}: YAML nested too deep for a Megatron config") from None
+        except ValueError as e:  # a key Python cannot print (an int of 10^5 digits, say)
+            raise InputError(f"{p}: unusable YAML key ({_cut(str(e))})") from None
+    return _checked_numbers(_parse_args_text(text, p), p)
+
+
+_INT_FIELDS = (
+    "hidden_size", "moe_latent_size", "seq_length", "micro_batch_size", "num_moe_experts", "num_experts",
+    "moe_router_topk", "tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)  # fmt: skip
+_FLOAT_FIELDS = ("moe_expert_capacity_factor", "moe_expert_rank_capacity_factor")
+_MAX_FIELD = 1 << 40  # far above any model dimension, far below where byte products stop making sense
+
+
+def _checked_numbers(fields_: dict[str, Any], p: Path) -> dict[str, Any]:
+    """Refuse the sizing fields the checks compute with when they are not sane numbers (one line each).
+
+    The message names the field and the value's type, never the file's text (which may be anything).
+    """
+    for name in _INT_FIELDS:
+        v = fields_.get(name)
+        if v is not None and (type(v) is not int or not 0 <= v <= _MAX_FIELD):
+            what = "out of range" if type(v) is int else f"a {type(v).__name__}"
+            raise InputError(f"{p}: {name} is {what}, expected an integer in [0, 2^40]")
+    for name in _FLOAT_FIELDS:
+        v = fields_.get(name)
+        if v is not None and (type(v) not in (int, float) or not 0 <= v <= 1e6):
+            what = "out of range" if type(v) in (int, float) else f"a {type(v).__name__}"
+            raise InputError(f"{p}: {name} is {what}, expected a number in [0, 1e6]")
+    return fields_
+
+
+_MAX_CONFIG_BYTES = 16 << 20  # a Megatron config is kilobytes; anything this big is not one
+
+
+def _cut(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _read_config_text(p: Path) -> str:
+    """The file as text; refuses huge files, binary files and invalid UTF-8 with one :class:`InputError`."""
+    try:
+        with open(p, "rb") as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"cannot read {p}: {e.strerror or type(e).__name__}") from None
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise InputError(f"{p}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, not a Megatron config")
+    if b"\0" in data:
+        raise InputError(f"{p}: a binary file (NUL bytes), not a Megatron config")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{p}: not UTF-8 text (bad byte at offset {e.start})") from None
+
+
+def _no_alias_loader() -> type:
+    """A ``yaml.SafeLoader`` that refuses aliases: ``*ref`` "billion laughs" expand without bound."""
+    import yaml
+
+    class _NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, "aliases (*name) are not allowed in a Megatron config", event.start_mark
+                )
+            return super().compose_node(parent, index)
+
+    return _NoAliasLoader
 
 
 def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:

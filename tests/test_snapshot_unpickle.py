@@ -81,15 +81,15 @@ def test_missing_file_is_input_error(tmp_path: Path) -> None:
     ("obj", "problem"),
     [
         ({"device_traces": []}, "no 'segments' key"),
-        ({"segments": {}, "device_traces": []}, "'segments' is dict"),
-        ({"segments": [], "device_traces": [{"a": 1}]}, "list of lists"),
-        ({"segments": [{"total_size": -5, "blocks": []}]}, r"segments\[0\]\.total_size must be a non-negative int"),
+        ({"segments": {}, "device_traces": []}, "'segments' is a dict of 0 items, expected a list"),
+        ({"segments": [], "device_traces": [{"a": 1}]}, r"device_traces\[0\] is a dict of 1 items, expected a list"),
+        ({"segments": [{"total_size": -5, "blocks": []}]}, r"segments\[0\]\.total_size is -5, expected an int"),
         ({"segments": [{"total_size": 5, "blocks": [{"size": 1, "state": "weird"}]}]}, r"blocks\[0\]\.state"),
-        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -3, "stream": 0}]]}, "negative"),
+        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -3}]]}, r"\[0\]\[0\]\.size is -3"),
         ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "stream": 0}]]}, r"\[0\] has no 'size'"),
         ({"segments": [], "device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]}, r"addr is 'x'"),
-        ({"segments": [], "device_traces": [[["alloc"]]]}, "is list, expected a dict"),
-        ("a string", "top level is str"),
+        ({"segments": [], "device_traces": [[["alloc"]]]}, r"\[0\]\[0\] is a list of 1 items"),
+        ("a string", "top level is 'a string'"),
     ],
 )
 def test_wrong_structure_names_the_field(tmp_path: Path, obj: object, problem: str) -> None:

@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -25,6 +25,10 @@ from bufreuse.cli._common import (
 from bufreuse.cli._validate import check_output_file
 
 __all__ = ["register"]
+
+
+def _budget(what: str) -> Any:
+    return typer.Option(min=1, help=f"Budget: {what}", rich_help_panel="Budgets (raise for trusted big files)")
 
 
 @handle_errors
@@ -58,10 +62,29 @@ def snapshot_report(
             min=1, help="Processes for several files (default and cap: one per file, at most one per CPU, at most 64)."
         ),
     ] = None,
+    max_file_bytes: Annotated[int | None, _budget("bytes of a file on disk (default 4 GiB).")] = None,
+    max_pickle_bytes: Annotated[
+        int | None, _budget("bytes of a decompressed pickle (default 200 x the gzip file + 64 MiB).")
+    ] = None,
+    max_trace_entries: Annotated[int | None, _budget("trace entries, all devices (default 8,000,000).")] = None,
+    max_blocks: Annotated[int | None, _budget("segments plus blocks (default 2,000,000).")] = None,
+    max_memory_bytes: Annotated[
+        int | None, _budget("memory one file may add, bytes (default 1.5 GiB, or 40 per file byte).")
+    ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
     from bufreuse.analysis.snapshot import ReportConfig, combine, parse_category_options, report_files
+    from bufreuse.analysis.snapshot.budget import SnapshotBudget
     from bufreuse.errors import InputError
+
+    raised = {
+        "max_file_bytes": max_file_bytes,
+        "max_pickle_bytes": max_pickle_bytes,
+        "max_trace_entries": max_trace_entries,
+        "max_blocks": max_blocks,
+        "max_memory_bytes": max_memory_bytes,
+    }
+    budget = SnapshotBudget(**{k: v for k, v in raised.items() if v is not None})
 
     try:
         cats = parse_category_options(category or [])
@@ -80,7 +103,13 @@ def snapshot_report(
     workers = _worker_count(workers, len(paths))
     with _file_progress(len(paths)) as (on_bytes, on_done):
         results = report_files(
-            paths, config, progress=on_bytes, on_file_done=on_done, workers=workers, raise_errors=_debug(ctx)
+            paths,
+            config,
+            progress=on_bytes,
+            on_file_done=on_done,
+            workers=workers,
+            raise_errors=_debug(ctx),
+            budget=budget,
         )
 
     failed = 0
@@ -94,8 +123,7 @@ def snapshot_report(
         else:
             from bufreuse.analysis.render.snapshot_tables import file_renderable
 
-            shown = {**res.report, "file": escape(str(res.report["file"]))}  # a title is rich markup
-            console.print(file_renderable(shown, top=top))
+            console.print(file_renderable(res.report, top=top))  # the renderer escapes file strings
             console.print()
         if plot is not None and res.timeline is not None:
             from bufreuse.analysis.render.export import png_bytes

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from bufreuse.analysis.render.export import renderable_text
+from bufreuse.analysis.render.safe import rich_text
 from bufreuse.analysis.runs.compare import ComparisonResult, RunComparison
 from bufreuse.analysis.runs.verdicts import MetricDelta
 
@@ -44,13 +45,15 @@ def _delta_cell(m: MetricDelta) -> Text:
 
 
 def _detail_table(result: ComparisonResult, comp: RunComparison) -> Table:
-    table = Table(title=f"{comp.label} vs baseline {result.baseline}", header_style="bold")
+    title = f"{rich_text(comp.label)} vs baseline {rich_text(result.baseline)}"
+    table = Table(title=title, header_style="bold")
     table.add_column("metric")
-    table.add_column(result.baseline, justify="right")
-    table.add_column(comp.label, justify="right")
+    table.add_column(rich_text(result.baseline), justify="right")
+    table.add_column(rich_text(comp.label), justify="right")
     table.add_column("Δ (Δ%) verdict")
     for m in comp.metrics:
-        table.add_row(f"{m.title} ({m.unit})", _fmt(m.baseline, m.unit), _fmt(m.value, m.unit), _delta_cell(m))
+        name = f"{rich_text(m.title)} ({m.unit})"
+        table.add_row(name, _fmt(m.baseline, m.unit), _fmt(m.value, m.unit), _delta_cell(m))
     return table
 
 
@@ -75,12 +78,12 @@ def _overview_table(result: ComparisonResult) -> Table:
         for m in comp.metrics:
             if (m.metric, m.title) not in keys:
                 keys.append((m.metric, m.title))
-    table = Table(title=f"overview: Δ% vs baseline {result.baseline}", header_style="bold")
+    table = Table(title=f"overview: Δ% vs baseline {rich_text(result.baseline)}", header_style="bold")
     table.add_column("run")
     for key, title in keys:
-        table.add_column(_HEADERS.get(key, title), justify="right")
+        table.add_column(_HEADERS.get(key) or rich_text(title), justify="right")
     for comp in result.comparisons:
-        cells: list[str | Text] = [comp.label]
+        cells: list[str | Text] = [Text(comp.label)]
         for key, _ in keys:
             m = next((x for x in comp.metrics if x.metric == key), None)
             if m is None or m.delta_pct is None:

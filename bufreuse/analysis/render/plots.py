@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from bufreuse.analysis.render.safe import mpl_text
 from bufreuse.analysis.runs.compare import ComparisonResult
 from bufreuse.analysis.runs.record import MIB
 from bufreuse.analysis.runs.sweep_rows import SweepRow
@@ -80,13 +81,13 @@ def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
         s=18,
         label=f"max active {timeline.max_active_bytes / _GiB:.2f} GiB",
     )
-    ax.set_xlabel(timeline.x_label)
+    ax.set_xlabel(mpl_text(timeline.x_label))
     ax.set_ylabel("GiB")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(mpl_text(title), fontsize=9)
     return fig
 
 
@@ -122,11 +123,11 @@ def memory_figure(result: ComparisonResult) -> Figure:
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
         values = [result.stats[label][k] or 0.0 for k, _ in metrics]
-        bars = ax.bar(x + (i - (len(labels) - 1) / 2) * width, values, width, label=label)
+        bars = ax.bar(x + (i - (len(labels) - 1) / 2) * width, values, width, label=mpl_text(label))
         ax.bar_label(bars, labels=[f"{v:,.0f}" if v else "" for v in values], fontsize=7, rotation=90, padding=2)
     ax.set_xticks(x, [t for _, t in metrics])
     ax.set_ylabel("MiB")
-    ax.set_title(f"Memory (baseline {result.baseline})")
+    ax.set_title(f"Memory (baseline {mpl_text(result.baseline)})")
     ax.legend(fontsize=8)
     ax.margins(y=0.15)
     return fig
@@ -144,7 +145,7 @@ def throughput_figure(result: ComparisonResult) -> Figure:
             continue
         s = result.stats[run.label][series]
         if s["n"]:
-            labels.append(run.label)
+            labels.append(mpl_text(run.label))
             medians.append(s["median"])
             lows.append(s["median"] - s["p10"])
             highs.append(s["p90"] - s["median"])
@@ -173,7 +174,7 @@ def iteration_figure(result: ComparisonResult) -> Figure:
     for run in result.runs:
         values = run.tflops if use_tflops else run.step_ms
         if values:
-            ax.plot(range(1, len(values) + 1), values, marker=".", label=run.label)
+            ax.plot(range(1, len(values) + 1), values, marker=".", label=mpl_text(run.label))
             drawn += 1
     if not drawn:
         ax.text(0.5, 0.5, "no per-iteration data in these runs", ha="center", va="center", transform=ax.transAxes)
@@ -229,10 +230,10 @@ def _plot(rows: list[SweepRow], attr: str, ylabel: str, scale: float, title: str
     for label, data in _series(rows, attr).items():
         if isinstance(data, list):
             xs, ys = zip(*data, strict=True)
-            ax.plot(xs, [y / scale for y in ys], marker="o", label=label)
+            ax.plot(xs, [y / scale for y in ys], marker="o", label=mpl_text(label))
         else:
             ax.axhline(data / scale, linestyle="--", color="tab:red" if "graph" not in label else "tab:purple",
-                       label=label)  # fmt: skip
+                       label=mpl_text(label))  # fmt: skip
     ax.set_xlabel("slots per buffer (0 = control: record_stream)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

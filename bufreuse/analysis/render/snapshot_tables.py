@@ -13,6 +13,8 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from bufreuse.analysis.render.safe import rich_text
+
 __all__ = ["combined_table", "file_renderable", "fmt_bytes", "snapshots_table"]
 
 _MiB = 1 << 20
@@ -38,7 +40,7 @@ def _when(report: dict[str, Any], key: str) -> str:
 
 def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
     """Summary figures, the pending-free groups at the max-active point, per-stream totals, warnings."""
-    s = Table(title=report["file"], title_justify="left", show_header=False, box=None, pad_edge=False)
+    s = Table(title=rich_text(report["file"]), title_justify="left", show_header=False, box=None, pad_edge=False)
     s.add_column("figure", style="bold")
     s.add_column("value", justify="right")
     s.add_column("note", style="dim")
@@ -61,7 +63,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
     s.add_row("trace events", f"{report['num_trace_events']:,}", report["format"])
     for cat, b in report["pending_free_by_category_at_max_active"].items():
         if b:
-            s.add_row(f"pending free: {cat}", fmt_bytes(b), "at max active")
+            s.add_row(f"pending free: {rich_text(cat)}", fmt_bytes(b), "at max active")
     parts: list[RenderableType] = [s]
     groups = report["pending_free_groups_at_max_active"]
     if groups:
@@ -76,8 +78,8 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
                 fmt_bytes(row["size_bytes"]),
                 fmt_bytes(row["total_bytes"]),
                 str(row["stream"]),
-                row["category"],
-                row["site"],
+                rich_text(row["category"]),
+                rich_text(row["site"]),
             )
         if len(groups) > top:
             g.caption = f"{len(groups) - top} more groups (--top, or --json for all)"
@@ -88,7 +90,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
             st.add_column(col, justify="right")
         for sid, f in report["streams"].items():
             st.add_row(
-                sid,
+                rich_text(sid),
                 f"{f.get('alloc_count', 0):,}",
                 fmt_bytes(f.get("alloc_bytes", 0)),
                 fmt_bytes(f.get("pending_free_at_max_active_bytes", 0)),
@@ -101,7 +103,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
             f"device free {fmt_bytes(oom['device_free_bytes'])} (stream {oom['stream']})"
         )
     for w in report["warnings"]:
-        parts.append(f"[yellow]warning:[/] {w}")
+        parts.append(f"[yellow]warning:[/] {rich_text(w)}")
     return Group(*parts)
 
 
@@ -112,7 +114,8 @@ def combined_table(combined: dict[str, Any], labels: Sequence[str] = ()) -> Tabl
         t.add_column(col, justify="left" if col in ("figure", "worst") else "right")
     for name, f in combined["figures"].items():
         fmt = (lambda v: f"{int(v):,}") if not name.endswith("_bytes") else fmt_bytes
-        worst = f"rank {f['worst_rank']}" if f["worst_rank"] is not None else os.path.basename(f["worst_file"])
+        base = rich_text(os.path.basename(f["worst_file"]))
+        worst = f"rank {f['worst_rank']}" if f["worst_rank"] is not None else base
         t.add_row(name.removesuffix("_bytes").replace("_", " "), fmt(f["min"]), fmt(f["median"]), fmt(f["max"]), worst)
     return t
 
@@ -124,15 +127,15 @@ def snapshots_table(reports: list[dict[str, Any]]) -> Table:
         table.add_column(name, justify="left" if name in ("snapshot", "by category") else "right")
     for r in reports:
         if "error" in r:
-            table.add_row(r["file"], "—", "—", "—", f"unreadable: {r['error']}")
+            table.add_row(rich_text(r["file"]), "—", "—", "—", f"unreadable: {rich_text(r['error'])}")
             continue
         cats = r.get("pending_free_by_category_at_max_active") or {}
         table.add_row(
-            r["file"],
+            rich_text(r["file"]),
             _mib(r.get("max_reserved_bytes")),
             _mib(r.get("max_active_bytes")),
             _mib(r.get("pending_free_at_max_active_bytes")),
-            ", ".join(f"{k} {_mib(v)}" for k, v in sorted(cats.items()) if v) or "—",
+            ", ".join(f"{rich_text(k)} {_mib(v)}" for k, v in sorted(cats.items()) if v) or "—",
         )
     return table
 

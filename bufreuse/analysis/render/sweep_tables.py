@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from bufreuse.analysis.render.safe import rich_text
 from bufreuse.analysis.runs.record import MIB
 from bufreuse.analysis.runs.sweep_rows import SweepRow
 
@@ -22,7 +23,7 @@ def sweep_table(rows: list[SweepRow], *, title: str | None = None) -> Table:
     Compact enough for 80 columns; a ``status`` column appears only when some row is not ``ok``.
     """
     show_status = any(r.status != "ok" for r in rows)
-    t = Table(title=title, title_justify="left")
+    t = Table(title=None if title is None else rich_text(title), title_justify="left")
     columns = [("slots", "right"), ("mode", "left")] + ([("status", "left")] if show_status else [])
     columns += [
         ("reserved MiB", "right"), ("Δ vs control", "right"), ("alloc MiB", "right"),
@@ -33,9 +34,9 @@ def sweep_table(rows: list[SweepRow], *, title: str | None = None) -> Table:
     for r in rows:
         step = "—" if r.step_ms is None else f"{r.step_ms:.2f}"
         delta = "—" if r.step_delta_pct is None else f"{r.step_delta_pct:+.1f}%"
-        cells = [str(r.slots), r.mode + (" +graph" if r.cuda_graph else "")]
+        cells = [str(r.slots), rich_text(r.mode) + (" +graph" if r.cuda_graph else "")]
         if show_status:
-            cells.append(r.status if r.status == "ok" else f"[red]{r.status}[/]")
+            cells.append(r.status if r.status == "ok" else f"[red]{rich_text(r.status)}[/]")
         cells += [
             _mib(r.max_reserved_bytes), _mib(r.reserved_delta_bytes, signed=True), _mib(r.max_allocated_bytes),
             _mib(r.pending_free_bytes), step, delta,

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bufreuse.analysis.runs.textfile import read_log_text
 from bufreuse.errors import LogFormatError
 
 __all__ = [
@@ -248,7 +249,7 @@ def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
     """Read and parse one log file (undecodable bytes replaced, never fatal)."""
     p = Path(path)
     try:
-        text = p.read_bytes().decode("utf-8", errors="replace")
+        text = read_log_text(p)
     except FileNotFoundError:
         raise LogFormatError(f"{p}: no such log file") from None
     except OSError as e:

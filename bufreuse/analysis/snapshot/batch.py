@@ -1,8 +1,9 @@
 """Report snapshot files: one file, several in worker processes, and the summary over them (ranks).
 
 :func:`report_file` returns the ``--json`` object of one file; :func:`report_files` reports several
-(one forked process per file) and keeps a bad file's error next to the others' reports;
-:func:`combine` gives min / median / max of the headline figures, naming the worst file.
+(forked worker processes, at most one per file and per CPU) and keeps a bad file's error next to
+the others' reports, even when a worker dies; :func:`combine` gives min / median / max of the
+headline figures, naming the worst file. Every file is read within a :class:`~.budget.SnapshotBudget`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,26 @@ import re
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from bufreuse.analysis.snapshot.budget import BudgetExceededError, SnapshotBudget, memory_limit
 from bufreuse.analysis.snapshot.load import load_snapshot
 from bufreuse.analysis.snapshot.report import ReportConfig, Timeline, analyze
 from bufreuse.analysis.snapshot.unpickle import ProgressFn
-from bufreuse.errors import SnapshotFormatError
+from bufreuse.errors import InputError, exit_code_for
 
-__all__ = ["COMBINED_FIGURES", "FileResult", "analyze_file", "combine", "report_file", "report_files"]
+__all__ = [
+    "COMBINED_FIGURES",
+    "FileResult",
+    "analyze_file",
+    "combine",
+    "report_file",
+    "report_files",
+    "worker_count",
+]
 
 COMBINED_FIGURES = (
     "max_reserved_bytes",
@@ -42,6 +53,9 @@ class FileResult:
     file: str
     report: dict[str, Any] | None = None
     error: str | None = None
+    """One line naming the file (unescaped text from the file: escape it before rich sees it)."""
+    exit_code: int = 0
+    """0 when reported; else what the error means at a boundary (2 bad input, 1 internal error)."""
     timeline: Timeline | None = None
 
 
@@ -58,33 +72,90 @@ def _gc_paused() -> Iterator[None]:
 
 
 def report_file(
-    path: str | os.PathLike[str], *, categories: dict[str, str] | None = None, config: ReportConfig | None = None
+    path: str | os.PathLike[str],
+    *,
+    categories: dict[str, str] | None = None,
+    config: ReportConfig | None = None,
+    budget: SnapshotBudget | None = None,
 ) -> dict[str, Any]:
-    """The ``--json`` object for one file; raises ``SnapshotFormatError`` on bad input."""
+    """The ``--json`` object for one file.
+
+    Raises:
+        SnapshotFormatError: the file is unreadable or malformed.
+        BudgetExceededError: the file needs more than ``budget`` allows.
+    """
     config = config or ReportConfig()
+    budget = budget or SnapshotBudget()
     if categories:
         config = ReportConfig(
             categories={**config.categories, **categories}, site_frame=config.site_frame, site_skip=config.site_skip
         )
-    with _gc_paused():
-        return analyze(load_snapshot(path), config)[0]
+    with _gc_paused(), _memory_for(path, budget):
+        try:
+            return analyze(load_snapshot(path, budget=budget), config)[0]
+        except MemoryError:
+            raise _memory_error(path, budget) from None
+
+
+def _file_bytes(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _memory_for(path: str | os.PathLike[str], budget: SnapshotBudget) -> Any:
+    """The memory limit for reading and analysing ``path`` (gzip files get ten times their bytes)."""
+    size = _file_bytes(path)
+    return memory_limit(budget.memory_for(size * 10))
+
+
+def _memory_error(path: str | os.PathLike[str], budget: SnapshotBudget) -> BudgetExceededError:
+    limit = budget.memory_for(_file_bytes(path) * 10)
+    return BudgetExceededError("max_memory_bytes", got="more", limit=limit, where=f"{path}: analysing the snapshot")
 
 
 def analyze_file(
-    path: str, config: ReportConfig, progress: ProgressFn | None = None, *, raise_errors: bool = False
+    path: str,
+    config: ReportConfig,
+    progress: ProgressFn | None = None,
+    *,
+    raise_errors: bool = False,
+    budget: SnapshotBudget | None = None,
 ) -> FileResult:
-    """Report one file, turning bad input into ``FileResult.error`` (one line naming the file).
+    """Report one file, turning any failure into ``FileResult.error`` (one line naming the file).
 
-    ``raise_errors=True`` lets the ``SnapshotFormatError`` propagate instead (``--debug``).
+    Bad input (``InputError``: format, budget) gets exit code 2; anything else is an internal error
+    (exit code 1), still confined to this file. ``raise_errors=True`` lets the exception propagate
+    instead (``--debug``).
     """
+    budget = budget or SnapshotBudget()
     try:
-        with _gc_paused():
-            report, timeline = analyze(load_snapshot(path, progress=progress), config)
+        try:
+            with _gc_paused(), _memory_for(path, budget):
+                report, timeline = analyze(load_snapshot(path, progress=progress, budget=budget), config)
+        except MemoryError:
+            raise _memory_error(path, budget) from None
         return FileResult(file=str(path), report=report, timeline=timeline)
-    except SnapshotFormatError as e:
+    except Exception as e:
         if raise_errors:
             raise
-        return FileResult(file=str(path), error=" ".join(str(e).split()))
+        text = _one_line(e)
+        if not isinstance(e, InputError):
+            text = f"{path}: internal error: {type(e).__name__}: {text}"
+        return FileResult(file=str(path), error=text, exit_code=exit_code_for(e) if isinstance(e, InputError) else 1)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 2000 else text[:1999] + "…"
+
+
+def worker_count(n_files: int, workers: int | None = None) -> int:
+    """Processes for ``n_files``: ``workers`` (or one per CPU), never more than the files or the CPUs."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    want = workers if workers is not None and workers > 0 else cpus
+    return max(1, min(want, n_files, cpus))
 
 
 def report_files(
@@ -95,24 +166,53 @@ def report_files(
     on_file_done: Callable[[FileResult], None] | None = None,
     workers: int | None = None,
     raise_errors: bool = False,
+    budget: SnapshotBudget | None = None,
 ) -> list[FileResult]:
-    """Report several files (one process per file when more than one), results in input order."""
+    """Report several files (forked workers when more than one), results in input order.
+
+    A file that fails is a ``FileResult`` with ``error`` set; the others are reported. ``workers``
+    is capped at :func:`worker_count` (files and CPUs). A worker that dies (killed for memory, say)
+    takes only its own file: the files it left are retried one per fresh process.
+    """
+    budget = budget or SnapshotBudget()
     if len(paths) == 1:
-        res = [analyze_file(paths[0], config, progress, raise_errors=raise_errors)]
+        res = [analyze_file(paths[0], config, progress, raise_errors=raise_errors, budget=budget)]
         if on_file_done:
             on_file_done(res[0])
         return res
     results: dict[int, FileResult] = {}
-    n = workers or min(len(paths), os.cpu_count() or 1)
+    n = worker_count(len(paths), workers)
     # fork: workers inherit the loaded modules (no re-import, no re-run of a ``__main__``); callers
     # must not have threads running when this forks (the CLI's multi-file progress bar has none)
     ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    broken: list[int] = []
+
+    def done(i: int, res: FileResult) -> None:
+        results[i] = res
+        if on_file_done:
+            on_file_done(res)
+
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-        futs = {pool.submit(analyze_file, p, config, raise_errors=raise_errors): i for i, p in enumerate(paths)}
+        futs = {
+            pool.submit(analyze_file, p, config, raise_errors=raise_errors, budget=budget): i
+            for i, p in enumerate(paths)
+        }
         for fut in as_completed(futs):
-            results[futs[fut]] = fut.result()
-            if on_file_done:
-                on_file_done(results[futs[fut]])
+            try:
+                done(futs[fut], fut.result())
+            except BrokenProcessPool:
+                broken.append(futs[fut])
+    for i in sorted(broken):  # one process each: the file that kills its worker is the one reported
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            try:
+                res = pool.submit(analyze_file, paths[i], config, raise_errors=raise_errors, budget=budget).result()
+            except BrokenProcessPool:
+                res = FileResult(
+                    file=paths[i],
+                    error=f"{paths[i]}: the worker process died reading it (killed for memory?)",
+                    exit_code=1,
+                )
+        done(i, res)
     return [results[i] for i in range(len(paths))]
 
 

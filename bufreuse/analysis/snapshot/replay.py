@@ -14,6 +14,10 @@ recording ring buffer dropped the oldest entries (frees whose alloc is gone).
 
 Sizes in alloc/free entries are requested bytes (torch records ``requested_size``), so the
 final-state baselines use the blocks' requested bytes too.
+
+Sizes are unsigned 64-bit and a hostile (or corrupt) file can make any sum pass 2^63, so the
+series are int64 only when the sum of every size and baseline provably fits; otherwise they are
+exact Python ints (object arrays: slower, never wrapped).
 """
 
 from __future__ import annotations
@@ -62,19 +66,32 @@ class PendingBlock:
     stream: int
 
 
-def _delta(t: EventTable, plus: tuple[int, ...], minus: tuple[int, ...]) -> np.ndarray:
+_SAFE = 1 << 61  # sums below this (float64-estimated, with margin) cannot wrap in int64
+
+
+def _signed_sizes(t: EventTable, final: FinalState) -> np.ndarray:
+    """The size column as int64 when every cumulative sum fits in it, else as exact Python ints."""
+    total = float(np.sum(t.size, dtype=np.float64)) if len(t) else 0.0
+    total += float(final.reserved) + float(final.allocated_requested) + float(final.pending_requested)
+    if total < _SAFE:
+        return t.size.astype(np.int64)
+    return t.size.astype(object)
+
+
+def _delta(t: EventTable, size: np.ndarray, plus: tuple[int, ...], minus: tuple[int, ...]) -> np.ndarray:
     sign = np.zeros(len(t), dtype=np.int64)
     sign[np.isin(t.action, plus)] = 1
     sign[np.isin(t.action, minus)] = -1
-    return sign * t.size
+    return sign * size
 
 
 def replay(t: EventTable, final: FinalState) -> Replay:
     """Replay one device's trace against its final state; never raises on inconsistent traces."""
     warnings: list[str] = []
-    reserved = np.cumsum(_delta(t, (SEG_ALLOC, SEG_MAP), (SEG_FREE, SEG_UNMAP)))
-    allocated = np.cumsum(_delta(t, (ALLOC,), (FREE_REQ,)))
-    pend_delta = _delta(t, (FREE_REQ,), (FREE_DONE,))
+    size = _signed_sizes(t, final)
+    reserved = np.cumsum(_delta(t, size, (SEG_ALLOC, SEG_MAP), (SEG_FREE, SEG_UNMAP)))
+    allocated = np.cumsum(_delta(t, size, (ALLOC,), (FREE_REQ,)))
+    pend_delta = _delta(t, size, (FREE_REQ,), (FREE_DONE,))
     quick = _immediate_frees(t)  # a plain free: never waits in the queue
     pend_delta[quick] = 0
     pend_delta[quick + 1] = 0

@@ -20,6 +20,7 @@ from bufreuse.analysis.snapshot.load import EventTable, FinalState, SnapshotData
 from bufreuse.analysis.snapshot.replay import Replay, pending_blocks_at, replay
 from bufreuse.analysis.snapshot.schema import ALLOC, OOM
 from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, SiteRules
+from bufreuse.analysis.snapshot.validate import U64
 
 __all__ = ["ReportConfig", "Timeline", "analyze"]
 
@@ -109,7 +110,8 @@ def _pending_by_site(
 
 
 def _int_or_none(v: Any) -> int | None:
-    return v if type(v) is int else None
+    """An optional figure from the file: kept when it is an int in ``[0, 2^64)``, else None."""
+    return v if type(v) is int and 0 <= v < U64 else None
 
 
 def _at(arr: np.ndarray, i: int, base: int) -> int:
@@ -240,29 +242,33 @@ def _pending_groups(t: EventTable, index: int, pending_total: int, rules: SiteRu
 def _timeline(t: EventTable, r: Replay, points: int) -> Timeline | None:
     if points <= 0 or len(t) == 0:
         return None
-    active = r.active
+    res_all, alloc_all, active = r.reserved, r.allocated, r.active
+    if active.dtype == object:  # sums past int64 (see replay): plots need floats, not exact ints
+        res_all, alloc_all, active = (a.astype(np.float64) for a in (res_all, alloc_all, active))
     n = len(active)
     if n > points:
         width = -(-n // points)
         pad = width * points - n
-        act2 = np.concatenate((active, np.full(pad, np.iinfo(np.int64).min))).reshape(points, width)
+        low = np.full(pad, -np.inf if active.dtype.kind == "f" else np.iinfo(np.int64).min, dtype=active.dtype)
+        act2 = np.concatenate((active, low)).reshape(points, width)
         pick = np.arange(points) * width + np.argmax(act2, axis=1)
         pick = pick[pick < n]
-        res2 = np.concatenate((r.reserved, np.full(pad, np.iinfo(np.int64).min))).reshape(points, width)
+        res2 = np.concatenate((res_all, low)).reshape(points, width)
         reserved = res2.max(axis=1)[: len(pick)]
     else:
         pick = np.arange(n)
-        reserved = r.reserved
+        reserved = res_all
     if t.time_us is not None:
-        x = (t.time_us[pick] - t.time_us[0]) / 1e6
-        x_label, ia_x = "seconds since recording started", (t.time_us[max(r.max_active_index, 0)] - t.time_us[0]) / 1e6
+        t0 = float(t.time_us[0])  # floats: hostile timestamps far apart must not wrap in int64
+        x = (t.time_us[pick].astype(np.float64) - t0) / 1e6
+        x_label, ia_x = "seconds since recording started", (float(t.time_us[max(r.max_active_index, 0)]) - t0) / 1e6
     else:
         x, x_label, ia_x = pick.astype(np.float64), "trace event", float(max(r.max_active_index, 0))
     return Timeline(
         x=x,
         x_label=x_label,
         reserved=reserved,
-        allocated=r.allocated[pick],
+        allocated=alloc_all[pick],
         active=active[pick],
         max_active_x=float(ia_x),
         max_active_bytes=r.max_active,

@@ -7,6 +7,9 @@ few blocks a report names, so the cost grows with the named blocks, not with the
   frames from torch, the standard library, ``<frozen ...>`` and ``bufreuse/pool`` are skipped
   (the ring's own allocation frames would hide who asked for it).
 - category: the first rule whose regex is found in any ``filename:name`` of the whole stack.
+
+Frames come from an untrusted file: only the first ``MAX_FRAMES`` of a stack are read, fields that
+are not strings (or ints, for lines) read as ``?``, and long names are cut to ``MAX_TEXT``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sysconfig
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from bufreuse.analysis.snapshot.validate import MAX_FRAMES, U64, clean_text
 
 __all__ = [
     "BEFORE_TRACE_SITE",
@@ -74,15 +79,17 @@ class SiteRules:
         if not isinstance(frames, list):
             return UNKNOWN_SITE
         k = self.site_frame
-        for f in frames:
+        for f in frames[:MAX_FRAMES]:
             if not isinstance(f, dict):
                 continue
-            filename = str(f.get("filename", ""))
+            filename = clean_text(f.get("filename"), "")
             if self._skip.search(filename):
                 continue
             if k == 0:
                 short = "/".join(filename.rsplit("/", 2)[-2:])
-                return f"{short}:{f.get('line', '?')}:{f.get('name', '?')}"
+                line = f.get("line")
+                line_text = str(line) if type(line) is int and 0 <= line < U64 else "?"
+                return f"{short}:{line_text}:{clean_text(f.get('name'))}"
             k -= 1
         return UNKNOWN_SITE
 
@@ -90,7 +97,11 @@ class SiteRules:
         """The first category whose regex matches any ``filename:name`` of the stack, else ``other``."""
         if not isinstance(frames, list):
             return "other"
-        text = "\n".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames if isinstance(f, dict))
+        text = "\n".join(
+            f"{clean_text(f.get('filename'), '')}:{clean_text(f.get('name'), '')}"
+            for f in frames[:MAX_FRAMES]
+            if isinstance(f, dict)
+        )
         for name, rx in self._cats:
             if rx.search(text):
                 return name
