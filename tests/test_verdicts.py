@@ -221,3 +221,30 @@ def test_snapshot_record_label_through_compare(tmp_path: Path) -> None:
         p.write_bytes(src.read_bytes())
     result = compare_specs([str(one), str(two)])
     assert [r.label for r in result.runs] == ["opt-1.3b", "opt-6.7b"]
+
+
+def test_huge_node_list_in_metrics_and_job_json_stays_compressed(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from test_compare import make_metrics, make_sweep
+
+    from bufreuse.analysis.runs.resolve import resolve_runs
+
+    env = {"slurm_nodelist": "n[0-999999999]", "world_size": 8}
+    metrics = {c: make_metrics(c, env=env) for c in ("slots0", "slots4")}
+    make_sweep(tmp_path, configs=("slots0", "slots4"), metrics=metrics)
+    start = time.perf_counter()
+    runs = resolve_runs(["control", "feature"], root=tmp_path)
+    assert time.perf_counter() - start < 2.0
+    assert runs[0].nodes.count == 10**9 and runs[0].node_list is None
+    (comp,) = compare_runs(runs).comparisons
+    assert comp.node_sets == "same"
+    folder = tmp_path / "megatron"
+    folder.mkdir()
+    from test_log_grammars import lm_line
+
+    (folder / "train.log").write_text("".join(lm_line(i, 400.0) + "\n" for i in range(1, 9)))
+    (folder / "job.json").write_text(json.dumps({"job_id": 7, "nodelist": "gpu[0-99999999]"}))
+    (run,) = resolve_runs([str(folder)])
+    assert run.nodes.describe() == "gpu[0-99999999] (10^8 hosts)"
