@@ -138,6 +138,7 @@ def test_frees_without_alloc_are_counted_not_fatal() -> None:
     assert rep["frees_without_alloc"] == 1
     assert rep["max_active_bytes"] == 100  # the block was live before the trace began
     assert any("ring buffer" in w for w in rep["warnings"])
+    assert any("memory that predates recording" in w for w in rep["warnings"])
 
 
 SEG_TOTAL = 2 * MiB

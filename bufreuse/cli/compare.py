@@ -24,7 +24,10 @@ def compare(
         ),
     ],
     root: Annotated[str | None, root_option("Sweeps root for labels")] = None,
-    warmup: Annotated[int, typer.Option(min=0, help="Logged iterations to skip at the start of a Megatron log.")] = 3,
+    warmup: Annotated[
+        int,
+        typer.Option(min=0, help="Iterations to skip at the start of a Megatron log (log windows overlapping them)."),
+    ] = 3,
     throughput_band: Annotated[
         float,
         typer.Option(
@@ -53,6 +56,9 @@ def compare(
         Path | None, typer.Option(help="Write memory, throughput and per-iteration PNG plots into this folder.")
     ] = None,
     mkdir: Annotated[bool, typer.Option("--mkdir", help="Create missing folders for --csv and --plot.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="Compare a Megatron log with a snapshot anyway (different scopes; caveat stated).")
+    ] = False,
     fail_on_regression: Annotated[
         bool,
         typer.Option(
@@ -75,7 +81,7 @@ def compare(
     bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)
     sizes = parse_slot_sizes(slot_bytes, slot_mib)
     with err_console.status("reading runs (snapshots can take a while)"):
-        result = compare_specs(runs, root=root, warmup=warmup, bands=bands, slot_bytes=sizes)
+        result = compare_specs(runs, root=root, warmup=warmup, bands=bands, slot_bytes=sizes, force=force)
     written = [atomic_write_text(csv_path, csv_text(result.to_rows()))] if csv_path else []
     if plot is not None:
         from bufreuse.analysis.render.plots import comparison_figures

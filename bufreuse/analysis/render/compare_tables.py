@@ -20,7 +20,14 @@ from bufreuse.analysis.runs.verdicts import MetricDelta
 
 __all__ = ["comparison_json", "comparison_renderable", "comparison_text"]
 
-_STYLE = {"improvement": "green", "parity": "cyan", "regression": "bold red", "explained": "yellow", "n/a": "dim"}
+_STYLE = {
+    "improvement": "green",
+    "parity": "cyan",
+    "regression": "bold red",
+    "inconclusive": "magenta",
+    "explained": "yellow",
+    "n/a": "dim",
+}
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -69,7 +76,7 @@ _HEADERS = {
     "device_used_mib": "device",
     "pending_free_mib": "pending-free",
 }
-_SHORT = {"improvement": "better", "parity": "parity", "regression": "WORSE", "n/a": "n/a"}
+_SHORT = {"improvement": "better", "parity": "parity", "regression": "WORSE", "inconclusive": "unsure", "n/a": "n/a"}
 
 
 def _overview_table(result: ComparisonResult) -> Table:
@@ -105,7 +112,7 @@ def _samples_line(label: str, stats: dict[str, Any]) -> str | None:
     if not pieces:
         return None
     dropped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in stats["dropped"].items() if v)
-    return f"{label}: " + "; ".join(pieces) + (f"; dropped {dropped}" if dropped else "")
+    return f"{label}: " + "; ".join(pieces) + (f"; dropped windows: {dropped}" if dropped else "")
 
 
 def comparison_renderable(result: ComparisonResult) -> Group:
@@ -114,6 +121,8 @@ def comparison_renderable(result: ComparisonResult) -> Group:
     if len(result.comparisons) > 1:
         parts.append(_overview_table(result))
     for comp in result.comparisons:
+        for caveat in comp.comparability:  # above the verdicts: they qualify every one of them
+            parts.append(Text(f"{comp.label}: not like for like: {caveat}", style="bold yellow"))
         parts.append(_detail_table(result, comp))
         if comp.status != "ok":
             parts.append(Text(f"{comp.label}: status {comp.status}; no metrics compared", style="bold red"))
@@ -132,8 +141,10 @@ def comparison_renderable(result: ComparisonResult) -> Group:
         Text(
             f"noise bands: throughput/step time ±{bands.throughput_pct:g}%, memory ±max({bands.memory_mib:g} MiB, "
             f"{bands.memory_pct:g}%)"
+            + "; verdicts from the 95% interval of the difference against the band"
             + (
-                f"; Megatron logs skip the first {result.warmup} iterations"
+                f"; --warmup {result.warmup} counts iterations: Megatron log windows overlapping the first "
+                f"{result.warmup} are dropped; a sample is one log window, weighted by the iterations it averages"
                 if any(r.kind == "megatron" for r in result.runs)
                 else ""
             ),

@@ -53,6 +53,12 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
         ("max pending free", report["max_pending_free_bytes"], "anywhere in the trace"),
         ("final reserved", report["final_reserved_bytes"], f"{report['num_segments']} segments"),
     ]
+    if before := report.get("pending_before_trace_at_max_active_bytes"):
+        moves = report.get("max_active_depends_on_pending_before_trace")
+        note = "cause unknown (freed before recording began)" + (
+            "; the max-active point depends on it" if moves else ""
+        )
+        rows.insert(5, ("  pending before the trace", before, note))
     rows += [(f"  {k}", v, "final state") for k, v in report["final_state_bytes"].items()]
     frag = report["fragmentation"]
     rows += [

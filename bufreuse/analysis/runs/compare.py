@@ -1,8 +1,11 @@
 """Compare runs against a baseline, as data: one :class:`RunComparison` per run, every metric judged.
 
-The first run is the baseline. Each metric gets its delta and verdict (:mod:`.verdicts`), the
-medians a bootstrap 95% CI of their difference (:mod:`.stats`), and the allocated delta its
-ring-storage explanation. Tables and plots of the result are :mod:`bufreuse.analysis.render`.
+The first run is the baseline. Sampled metrics (throughput, step time) get a 95% interval of their
+difference (:mod:`.stats`: Welch for means, percentile bootstrap for medians; log windows weighted
+by their iterations), every metric its delta and verdict (:mod:`.verdicts`), the allocated delta its
+ring-storage explanation. Configuration and scope differences (:mod:`.comparability`) are
+caveats; a Megatron log against a snapshot is refused unless forced. Tables and plots of the result
+are :mod:`bufreuse.analysis.render`.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bufreuse.analysis.runs.comparability import config_caveats, scope_conflict
 from bufreuse.analysis.runs.record import RunRecord
 from bufreuse.analysis.runs.resolve import resolve_runs
-from bufreuse.analysis.runs.stats import bootstrap_median_diff, metric_values, run_stats
-from bufreuse.analysis.runs.verdicts import Bands, MetricDelta, explain_allocated, join_notes, judge, node_sets
+from bufreuse.analysis.runs.stats import bootstrap_diff, mean_diff_interval, metric_values, run_stats
+from bufreuse.analysis.runs.verdicts import Bands, MetricDelta, explain_allocated, judge, node_sets
 from bufreuse.errors import InputError
 
 __all__ = ["ComparisonResult", "RunComparison", "compare_runs", "compare_specs"]
@@ -33,6 +37,8 @@ class RunComparison:
     node_sets: str = "unknown"
     """``same``, ``differ`` or ``unknown``."""
     caveats: list[str] = field(default_factory=list)
+    comparability: list[str] = field(default_factory=list)
+    """Configuration and scope differences against the baseline, stated above the verdicts."""
     ring_bytes: int | None = None
     explanation: str | None = None
     explained: bool | None = None
@@ -94,9 +100,18 @@ def compare_runs(
     slot_bytes: dict[str, int] | None = None,
     warmup: int = 3,
     seed: int = 0,
+    force: bool = False,
 ) -> ComparisonResult:
-    """Compare ``runs[1:]`` against ``runs[0]``; ``slot_bytes`` ({buffer: bytes}, ``"*"`` = every
-    buffer) overrides slot sizes for the ring-storage explanation."""
+    """Compare ``runs[1:]`` against ``runs[0]``.
+
+    Args:
+        slot_bytes: {buffer: bytes} (``"*"`` = every buffer), slot sizes for the ring-storage explanation.
+        warmup: iterations the Megatron logs skipped (reported only).
+        force: compare a Megatron log with a snapshot anyway (the scope caveat is stated).
+
+    Raises:
+        InputError: fewer than two runs, a failed baseline, or a log against a snapshot without ``force``.
+    """
     if len(runs) < 2:
         raise InputError(f"compare needs a baseline and at least one other run, got {len(runs)}")
     bands = bands or Bands()
@@ -105,6 +120,13 @@ def compare_runs(
     base = runs[0]
     if base.status != "ok":
         raise InputError(f"baseline {base.label} did not finish ok (status {base.status})")
+    if not force:
+        for run in runs[1:]:
+            if {base.kind, run.kind} == {"megatron", "snapshot"}:
+                raise InputError(
+                    f"{scope_conflict(base, run)}: the figures do not measure the same thing; "
+                    "pass --force to compare anyway"
+                )
     stats = {r.label: run_stats(r) for r in runs}
     comparisons = [_compare_one(base, run, stats, bands, seed) for run in runs[1:]]
     return ComparisonResult(
@@ -119,10 +141,11 @@ def compare_specs(
     warmup: int = 3,
     bands: Bands | None = None,
     slot_bytes: dict[str, int] | None = None,
+    force: bool = False,
 ) -> ComparisonResult:
     """Resolve ``specs`` (labels, folders, logs, snapshots) and compare them, the first as baseline."""
     runs = resolve_runs(specs, root=root, warmup=warmup)
-    return compare_runs(runs, bands=bands, slot_bytes=slot_bytes, warmup=warmup)
+    return compare_runs(runs, bands=bands, slot_bytes=slot_bytes, warmup=warmup, force=force)
 
 
 def _apply_slot_bytes(run: RunRecord, slot_bytes: dict[str, int]) -> None:
@@ -149,10 +172,22 @@ _TITLES = {
 }
 
 
+_SERIES = {
+    "tflops_mean": ("tflops", "tflops_windows", "mean"),
+    "tflops_median": ("tflops", "tflops_windows", "median"),
+    "step_ms_mean": ("step_ms", "step_windows", "mean"),
+    "step_ms_median": ("step_ms", "step_windows", "median"),
+}
+"""Sampled metrics: the run's series, its window weights, the statistic whose difference gets an interval."""
+
+
 def _compare_one(
     base: RunRecord, run: RunRecord, stats: dict[str, dict[str, Any]], bands: Bands, seed: int
 ) -> RunComparison:
     comp = RunComparison(label=run.label, source=str(run.source), kind=run.kind, status=run.status)
+    comp.comparability.extend(config_caveats(base, run))
+    if scope := scope_conflict(base, run):
+        comp.comparability.append(scope)
     comp.caveats.extend(f"{run.label}: {w}" for w in run.warnings)
     comp.node_sets, caveat = node_sets(base, run)
     if caveat:
@@ -163,14 +198,20 @@ def _compare_one(
             continue
         m = MetricDelta(metric=key, title=title, unit=unit, better=better, baseline=bv[key], value=rv[key])
         if run.status == "ok" and m.baseline is not None and m.value is not None:
-            judge(m, bands, differ=comp.node_sets == "differ")
-            if key in ("tflops_median", "step_ms_median"):
-                series = "tflops" if key == "tflops_median" else "step_ms"
-                ci = bootstrap_median_diff(getattr(base, series), getattr(run, series), seed=seed)
+            if key in _SERIES:
+                series, windows, stat = _SERIES[key]
+                a, b = getattr(base, series), getattr(run, series)
+                m.n_baseline, m.n_value = len(a), len(b)
+                wa, wb = getattr(base, windows), getattr(run, windows)
+                if stat == "mean":
+                    ci = mean_diff_interval(a, b, base_weights=wa, other_weights=wb)
+                else:
+                    ci = bootstrap_diff(a, b, stat=stat, base_weights=wa, other_weights=wb, seed=seed)
                 if ci is not None:
                     m.ci_low, m.ci_high = ci
-                    if ci[0] <= 0 <= ci[1]:
-                        m.note = join_notes(m.note, "95% CI of the median difference includes 0")
+            elif key == "tflops":
+                m.n_baseline, m.n_value = 1, 1  # one reported figure a side, no spread known
+            judge(m, bands, differ=comp.node_sets == "differ")
         comp.metrics.append(m)
     comp.ring_bytes = run.ring_bytes
     allocated = next((x for x in comp.metrics if x.metric == "max_allocated_mib"), None)

@@ -1,99 +1,97 @@
-"""Parse Megatron-LM training logs (SLURM output included) into iteration and memory records.
+"""Parse Megatron-family training logs (SLURM output included) into iteration and memory records.
 
-Megatron prints one iteration line per logging interval from the last rank::
+The line shapes, with an example each, are the table in :mod:`.grammars`: Megatron-LM of every
+era (``(ms)`` and ``(s)``, with and without ``[Rank N]``), Megatron-DeepSpeed / BigScience
+(``samples per second``, ``TFLOPs``), ``current/average`` pairs (the current value is read),
+the start-up arguments block and world-size line, SLURM node lists. Any line prefix, ANSI
+colour codes, CRLF and gzip'd files are handled; lines of several ranks may interleave.
 
-     [2026-09-09 01:38:01.123456] iteration       12/      30 | consumed samples: ... |
-     elapsed time per iteration (ms): 6123.4 | throughput per GPU (TFLOP/s/GPU): 1124.9 | ...
-     lm loss: 2.345678E+00 | ... | number of skipped iterations:   0 | number of nan iterations:   0 |
-
-and memory reports from data-parallel rank 0 of each model-parallel group::
-
-    [Rank 0] (after 2 iterations) memory (MB) | allocated: 152545.00 | max allocated: ... |
-    reserved: ... | max reserved: ... [| total device memory used: ...]
-
-The parser is robust to launcher prefixes (``0: ``, ``[default3]:``, timestamps), lines of
-several ranks interleaved, a partial last line (a killed job), NaN/inf losses and skipped
-iterations. It trusts an iteration field only when its closing ``|`` was written, and drops
-memory reports from an unterminated last line, so a truncated number is never read as a
-value. One pass over the text.
+It trusts an iteration field only when its closing ``|`` was written, and drops memory reports
+from an unterminated last line, so a truncated number is never read as a value. An iteration
+logged more than once keeps its most complete copy (a fragment cut by another rank's output
+never replaces a complete line). One pass over the text.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bufreuse.analysis.runs.textfile import read_log_text
+from bufreuse.analysis.runs.grammars import FIELDS, TIMING_ATTRS, clean_text, describe_unknown, grammar
+from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
+from bufreuse.analysis.runs.textfile import check_log_text
 from bufreuse.errors import LogFormatError
 
 __all__ = [
+    "MAX_LOG_BYTES",
     "IterationRecord",
     "MegatronLog",
     "MemoryRecord",
+    "describe_dropped",
     "expand_hostlist",
     "parse_log",
     "parse_log_text",
     "steady_iterations",
 ]
 
-_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_ITER_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
-_FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(\S+)\s*$")
-_MEM_RE = re.compile(
-    r"\[Rank (\d+)\]\s*([^\[\]|]*?)\s*memory \(MB\)"
-    rf"\s*\|\s*allocated:\s*({_NUM})\s*\|\s*max allocated:\s*({_NUM})"
-    rf"\s*\|\s*(?:reserved|cached):\s*({_NUM})\s*\|\s*max (?:reserved|cached):\s*({_NUM})"
-    rf"(?:\s*\|\s*total device memory used:\s*({_NUM}))?"
-)
-_AFTER_RE = re.compile(r"after (\d+) iterations")
-_CAPTURE_RE = re.compile(
-    r"capture cuda graph|cuda graph capture|capturing cuda graph|cuda graphs? captured", re.IGNORECASE
-)
-_ARG_RE = re.compile(r"(?:^|[\s:\]])([a-z_][a-z0-9_]*) \.{3,} (.*?)\s*$")
-_NODELIST_RE = re.compile(r"\b(?:SLURM_JOB_NODELIST|SLURM_NODELIST|NodeList|nodelist)\s*[=:]\s*(\S+)")
-_JOBID_RE = re.compile(r"\b(?:SLURM_JOB_ID|SLURM_JOBID|JobId)\s*[=:]\s*(\d+)")
-_FILE_JOBID_RE = re.compile(r"slurm-(\d+)")
+MAX_LOG_BYTES = 4 << 30
+"""Most bytes a log (after gzip decompression) is read to (resource budget)."""
 
-ELAPSED_KEY = "elapsed time per iteration (ms)"
-THROUGHPUT_KEY = "throughput per GPU (TFLOP/s/GPU)"
-LOSS_KEY = "lm loss"
-SKIPPED_KEY = "number of skipped iterations"
-NAN_KEY = "number of nan iterations"
+_ITER_RE = grammar("iteration").pattern
+_MEM_RE = grammar("memory-rank").pattern
+_MEM_NORANK_RE = grammar("memory-norank").pattern
+_ARG_RE = grammar("argument").pattern
+_WORLD_RE = grammar("world-size").pattern
+_CAPTURE_RE = grammar("cuda-graph-capture").pattern
+_NODELIST_RE = grammar("nodelist").pattern
+_JOBID_RE = grammar("jobid").pattern
+_FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(\S+)\s*$")
+_AFTER_RE = re.compile(r"after (\d+) iterations")
+_SIZE_RE = re.compile(r"(data|tensor-model|pipeline-model|context|expert-model)-parallel[ -]size:\s*(\d+)")
+_FILE_JOBID_RE = re.compile(r"slurm-(\d+)")
 
 
 @dataclass(kw_only=True, slots=True)
 class IterationRecord:
-    """One logged iteration line (covers ``log_interval`` iterations when that is > 1)."""
+    """One logged iteration line: the averages over its logging window of ``window`` iterations."""
 
     iteration: int
-    """Iteration number as printed (the last iteration of the logging interval)."""
+    """Iteration number as printed (the last iteration of the logging window)."""
     total: int
     """``train_iters`` as printed."""
     elapsed_ms: float | None
-    """Mean wall time per iteration over the interval."""
+    """Mean wall time per iteration over the window."""
     tflops: float | None
-    """Throughput per GPU; None when Megatron ran without ``--log-throughput``."""
+    """Throughput per GPU; None when the run logged none (``--log-throughput`` off)."""
     loss: float | None
     """``lm loss`` (NaN/inf kept as such; None when not printed, as Megatron does for NaN)."""
+    samples_per_s: float | None = None
     skipped: int = 0
     nan: int = 0
+    window: int = 1
+    """Iterations the line averages over (the gap to the previous logged iteration)."""
+    fields: int = 0
+    """Fields read from the line (the most complete copy of a duplicated line wins)."""
     line: int = 0
     """1-based line number in the log, for messages."""
 
     @property
     def clean(self) -> bool:
-        """True when the interval had no skipped or NaN iteration and a finite (or absent) loss."""
+        """True when the window had no skipped or NaN iteration and a finite (or absent) loss."""
         return self.skipped == 0 and self.nan == 0 and (self.loss is None or math.isfinite(self.loss))
 
 
 @dataclass(kw_only=True, slots=True)
 class MemoryRecord:
-    """One ``[Rank N] ... memory (MB)`` report; values in MiB as printed."""
+    """One ``... memory (MB)`` report; values in MiB as printed."""
 
-    rank: int
+    rank: int | None
+    """``[Rank N]``; None for the 2020 shape printed without it."""
     label: str
     after_iterations: int | None
     allocated_mib: float
@@ -115,11 +113,16 @@ class MegatronLog:
     capture_iteration: int | None = None
     """First iteration logged after a CUDA-graph capture message (its time includes the capture)."""
     args: dict[str, str] = field(default_factory=dict)
-    """Megatron's printed ``arguments`` block, raw strings."""
-    node_list: list[str] | None = None
+    """Megatron's printed ``arguments`` block (and world-size line), raw strings."""
+    nodes: HostSet | None = None
     job_id: str | None = None
     partial_last_line: bool = False
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def node_list(self) -> list[str] | None:
+        """The node names when the node set is known and small enough to expand."""
+        return list(self.nodes.hosts) if self.nodes is not None and self.nodes.hosts is not None else None
 
     def peak(self, attr: str) -> float | None:
         """Maximum of a :class:`MemoryRecord` attribute over every rank and report."""
@@ -141,80 +144,111 @@ def _number(text: str) -> float | None:
         return None
 
 
-def _iteration(line: str, lineno: int) -> IterationRecord | None:
-    m = _ITER_RE.search(line)
-    if m is None:
-        return None
-    pieces = line[m.end() :].split("|")
-    # The text after the last "|" is only complete if a further field starts there; Megatron
-    # ends every field with " |", so an unterminated piece is a truncated or foreign tail.
-    fields: dict[str, float] = {}
-    for piece in pieces[:-1]:
-        fm = _FIELD_RE.match(piece)
-        if fm:
-            value = _number(fm.group(2))
-            if value is not None:
-                fields[fm.group(1)] = value
-    if ELAPSED_KEY not in fields and THROUGHPUT_KEY not in fields:
-        return None
-    return IterationRecord(
-        iteration=int(m.group(1)),
-        total=int(m.group(2)),
-        elapsed_ms=fields.get(ELAPSED_KEY),
-        tflops=fields.get(THROUGHPUT_KEY),
-        loss=fields.get(LOSS_KEY),
-        skipped=int(fields.get(SKIPPED_KEY, 0) or 0),
-        nan=int(fields.get(NAN_KEY, 0) or 0),
-        line=lineno,
-    )
-
-
-def _memory(line: str, lineno: int) -> list[MemoryRecord]:
+def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecord]:
+    """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average."""
+    matches = list(_ITER_RE.finditer(line))
     out = []
-    for m in _MEM_RE.finditer(line):
-        after = _AFTER_RE.search(m.group(2))
+    for k, m in enumerate(matches):
+        end = matches[k + 1].start() if k + 1 < len(matches) else len(line)
+        # Megatron ends every field with " |": the piece after the last "|" is cut or foreign.
+        values: dict[str, float] = {}
+        for piece in line[m.end() : end].split("|")[:-1]:
+            fm = _FIELD_RE.match(piece)
+            if not fm or (spec := FIELDS.get(fm.group(1))) is None:
+                continue
+            text = fm.group(2)
+            if "/" in text:  # ``current/average``: the window's own value is the current one
+                text = text.partition("/")[0]
+                pairs[0] += 1
+            value = _number(text)
+            if value is not None:
+                values[spec.attr] = value * spec.scale
+        if not any(a in values for a in TIMING_ATTRS):
+            continue
         out.append(
-            MemoryRecord(
-                rank=int(m.group(1)),
-                label=m.group(2).strip("() "),
-                after_iterations=int(after.group(1)) if after else None,
-                allocated_mib=float(m.group(3)),
-                max_allocated_mib=float(m.group(4)),
-                reserved_mib=float(m.group(5)),
-                max_reserved_mib=float(m.group(6)),
-                device_used_mib=float(m.group(7)) if m.group(7) else None,
+            IterationRecord(
+                iteration=int(m.group(1)),
+                total=int(m.group(2)),
+                elapsed_ms=values.get("elapsed_ms"),
+                tflops=values.get("tflops"),
+                loss=values.get("loss"),
+                samples_per_s=values.get("samples_per_s"),
+                skipped=int(values.get("skipped", 0) or 0),
+                nan=int(values.get("nan", 0) or 0),
+                fields=len(values),
                 line=lineno,
             )
         )
     return out
 
 
+def _memory(line: str, lineno: int) -> list[MemoryRecord]:
+    out = []
+    for m in _MEM_RE.finditer(line):
+        after = _AFTER_RE.search(m.group(2))
+        out.append(_mem_record(int(m.group(1)), m.group(2).strip("() "), after, m, 3, lineno))
+    if not out and "[Rank" not in line:
+        for m in _MEM_NORANK_RE.finditer(line):
+            out.append(_mem_record(None, m.group(1), _AFTER_RE.search(m.group(1)), m, 3, lineno))
+    return out
+
+
+def _mem_record(
+    rank: int | None, label: str, after: re.Match[str] | None, m: re.Match[str], g: int, lineno: int
+) -> MemoryRecord:
+    return MemoryRecord(
+        rank=rank,
+        label=label,
+        after_iterations=int(after.group(1)) if after else None,
+        allocated_mib=float(m.group(g)),
+        max_allocated_mib=float(m.group(g + 1)),
+        reserved_mib=float(m.group(g + 2)),
+        max_reserved_mib=float(m.group(g + 3)),
+        device_used_mib=float(m.group(g + 4)) if m.group(g + 4) else None,
+        line=lineno,
+    )
+
+
 def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
-    """Parse the text of one Megatron log; raises :class:`LogFormatError` when it has no iteration line."""
+    """Parse the text of one Megatron log.
+
+    Raises:
+        LogFormatError: empty, or no iteration line (the message says what was looked for and found).
+    """
     log = MegatronLog(source=source)
     if not text.strip():
         raise LogFormatError(f"{source}: empty log")
+    text = clean_text(text)
     lines = text.splitlines()
     log.partial_last_line = not text.endswith(("\n", "\r"))
     by_iteration: dict[int, IterationRecord] = {}
     conflicts: set[int] = set()
     capture_pending = False
+    pairs, odd_memory = [0], []
     for i, line in enumerate(lines, start=1):
         terminated = i < len(lines) or not log.partial_last_line
-        rec = _iteration(line, i)
-        if rec is not None:
-            old = by_iteration.pop(rec.iteration, None)
-            if old is not None and (old.elapsed_ms, old.tflops) != (rec.elapsed_ms, rec.tflops):
-                conflicts.add(rec.iteration)
+        records = _iterations(line, i, pairs) if "iteration" in line else []
+        for rec in records:
+            old = by_iteration.get(rec.iteration)
+            if old is not None:
+                if (old.elapsed_ms, old.tflops) != (rec.elapsed_ms, rec.tflops) and old.fields == rec.fields:
+                    conflicts.add(rec.iteration)
+                if old.fields > rec.fields:
+                    continue  # a fragment never replaces a more complete copy
+                del by_iteration[rec.iteration]
             by_iteration[rec.iteration] = rec
             if capture_pending:
                 log.capture_iteration = rec.iteration
                 capture_pending = False
+        if records:
             continue
         if "memory (MB)" in line:
+            found = _memory(line, i)
             if terminated:
-                log.memory.extend(_memory(line, i))
-            elif _MEM_RE.search(line):
+                log.memory.extend(found)
+                if not found:
+                    odd_memory.append(i)
+            elif found:
                 log.warnings.append(f"line {i}: memory report on the unterminated last line ignored")
             continue
         if _CAPTURE_RE.search(line) and "validation" not in line.lower():
@@ -223,52 +257,124 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
         if " ..." in line and (am := _ARG_RE.search(line)):
             log.args.setdefault(am.group(1), am.group(2))
             continue
-        if log.node_list is None and (nm := _NODELIST_RE.search(line)):
+        if "using world size" in line and (wm := _WORLD_RE.search(line)):
+            log.args.setdefault("world_size", wm.group(1))
+            for name, value in _SIZE_RE.findall(line, wm.end()):  # the first of a name wins (not encoder-...)
+                log.args.setdefault(name.replace("-", "_") + "_parallel_size", value)
+            continue
+        if log.nodes is None and (nm := _NODELIST_RE.search(line)):
             try:
-                log.node_list = expand_hostlist(nm.group(1))
+                log.nodes = parse_hostlist(nm.group(1))
             except ValueError as e:
                 log.warnings.append(f"line {i}: {e}")
         if log.job_id is None and (jm := _JOBID_RE.search(line)):
             log.job_id = jm.group(1)
     log.iterations = sorted(by_iteration.values(), key=lambda r: r.line)
+    _set_windows(log)
     if conflicts:
         shown = ", ".join(str(c) for c in sorted(conflicts)[:5])
         log.warnings.append(f"iterations logged more than once with different values (kept the last): {shown}")
+    if pairs[0]:
+        log.warnings.append("fields printed as current/average: the current value (the window's own) is read")
+    if odd_memory:
+        log.warnings.append(
+            f"{len(odd_memory)} 'memory (MB)' line(s) in no known shape ignored (first: line {odd_memory[0]})"
+        )
     if capture_pending:
         log.warnings.append("CUDA-graph capture message with no iteration logged after it")
     if log.job_id is None and (fm := _FILE_JOBID_RE.search(os.path.basename(source))):
         log.job_id = fm.group(1)
     if not log.iterations:
-        raise LogFormatError(
-            f"{source}: no Megatron iteration lines ('iteration N/ M | ... elapsed time per iteration (ms): X |')"
-        )
+        raise LogFormatError(f"{source}: no Megatron iteration lines: {describe_unknown(text)}")
     return log
 
 
+def _set_windows(log: MegatronLog) -> None:
+    """Each record's window: iterations since the previous logged one (the first: ``log_interval`` at most)."""
+    ordered = sorted(log.iterations, key=lambda r: r.iteration)
+    if not ordered:
+        return
+    gaps = [b.iteration - a.iteration for a, b in itertools.pairwise(ordered)]
+    try:
+        interval = int(log.args.get("log_interval", ""))
+    except ValueError:
+        interval = max(set(gaps), key=gaps.count) if gaps else 1
+    ordered[0].window = max(1, min(ordered[0].iteration, interval))
+    for rec, gap in zip(ordered[1:], gaps, strict=True):
+        rec.window = max(1, gap)
+
+
+def _read_text(p: Path) -> tuple[str, str | None]:
+    """The file's text (gzip sniffed by its magic bytes, not its name) and a warning when cut short."""
+    with p.open("rb") as f:
+        head = f.read(2)
+        f.seek(0)
+        if head != b"\x1f\x8b":
+            data = f.read(MAX_LOG_BYTES + 1)
+            if len(data) > MAX_LOG_BYTES:
+                raise LogFormatError(f"{p}: larger than {MAX_LOG_BYTES >> 30} GiB, not read")
+            return data.decode("utf-8", errors="replace"), None
+        raw = f.read()
+    if len(raw) > MAX_LOG_BYTES:
+        raise LogFormatError(f"{p}: larger than {MAX_LOG_BYTES >> 30} GiB, not read")
+    out: list[bytes] = []
+    size, cut, buf = 0, None, raw
+    try:
+        while buf:
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)  # one gzip member (a file may concatenate several)
+            while not d.eof:
+                chunk = d.decompress(buf, 1 << 24)
+                buf = d.unconsumed_tail
+                size += len(chunk)
+                if size > MAX_LOG_BYTES:
+                    raise LogFormatError(f"{p}: decompresses to more than {MAX_LOG_BYTES >> 30} GiB, not read")
+                out.append(chunk)
+                if not chunk and not buf:
+                    cut = f"gzip stream ends early (a cut file): read the {size:,} bytes it holds"
+                    break
+            buf = d.unused_data if d.eof and d.unused_data[:2] == b"\x1f\x8b" else b""
+    except zlib.error as e:
+        if not size:
+            raise LogFormatError(f"{p}: corrupt gzip stream ({e})") from None
+        cut = f"gzip data corrupt after {size:,} bytes ({e}): read what came before"
+    if not size and cut:
+        raise LogFormatError(f"{p}: corrupt gzip stream ({cut})")
+    return b"".join(out).decode("utf-8", errors="replace"), cut
+
+
 def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
-    """Read and parse one log file (undecodable bytes replaced, never fatal)."""
+    """Read and parse one log file, plain or gzip'd (undecodable bytes replaced, never fatal)."""
     p = Path(path)
     try:
-        text = read_log_text(p)
+        text, cut = _read_text(p)
+        check_log_text(p, text)
     except FileNotFoundError:
         raise LogFormatError(f"{p}: no such log file") from None
+    except IsADirectoryError:
+        raise LogFormatError(f"{p}: is a folder, not a log file") from None
     except OSError as e:
         raise LogFormatError(f"{p}: cannot read ({e.strerror})") from None
-    return parse_log_text(text, source=str(p))
+    log = parse_log_text(text, source=str(p))
+    if cut:
+        log.warnings.insert(0, cut)
+    return log
 
 
 def steady_iterations(log: MegatronLog, *, warmup: int = 3) -> tuple[list[IterationRecord], dict[str, int]]:
-    """The iterations that count for statistics, and how many were dropped for which reason.
+    """The log windows that count for statistics, and how many were dropped for which reason.
 
-    Drops the first ``warmup`` logged iterations, every iteration up to and including the one
-    that captured a CUDA graph, and intervals with skipped/NaN iterations or a non-finite loss.
+    ``warmup`` counts iterations, not log lines: a window that overlaps the first ``warmup``
+    iterations of the log is dropped whole. Also dropped: every window up to and including the one
+    that captured a CUDA graph, and windows with skipped/NaN iterations or a non-finite loss.
     """
     if warmup < 0:
         raise LogFormatError(f"--warmup must be >= 0, got {warmup}")
     dropped = {"warmup": 0, "before_capture": 0, "skipped_or_nan": 0}
     kept: list[IterationRecord] = []
-    for index, rec in enumerate(log.iterations):
-        if index < warmup:
+    first = min(log.iterations, key=lambda r: r.iteration, default=None)
+    start = first.iteration - first.window if first is not None else 0
+    for rec in log.iterations:
+        if rec.iteration - rec.window < start + warmup:
             dropped["warmup"] += 1
         elif log.capture_iteration is not None and rec.iteration <= log.capture_iteration:
             dropped["before_capture"] += 1
@@ -279,49 +385,16 @@ def steady_iterations(log: MegatronLog, *, warmup: int = 3) -> tuple[list[Iterat
     return kept, dropped
 
 
-def expand_hostlist(expr: str) -> list[str]:
-    """Expand a SLURM host list (``node[01-04,07],gpu-a[1-2]``) into host names, zero padding kept."""
-    expr = expr.strip().strip("\"'")
-    hosts: list[str] = []
-    for part in _split_top(expr):
-        hosts.extend(_expand_one(part))
-    return hosts
-
-
-def _split_top(expr: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in expr:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in host list {expr!r}")
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if depth:
-        raise ValueError(f"unbalanced '[' in host list {expr!r}")
-    parts.append("".join(cur))
-    return [p for p in parts if p]
-
-
-def _expand_one(part: str) -> list[str]:
-    start = part.find("[")
-    if start < 0:
-        return [part]
-    end = part.index("]", start)
-    head, body, tail = part[:start], part[start + 1 : end], part[end + 1 :]
-    values: list[str] = []
-    for item in body.split(","):
-        lo, sep, hi = item.partition("-")
-        if not sep:
-            values.append(lo)
-            continue
-        if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-            raise ValueError(f"bad range {item!r} in host list {part!r}")
-        width = len(lo)
-        values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
-    return [head + v + rest for v in values for rest in _expand_one(tail)]
+def describe_dropped(dropped: dict[str, int], *, warmup: int) -> str:
+    """Why no window is left, in words, with the hint that applies (never a raw dict)."""
+    words = {
+        "warmup": f"overlap the first {warmup} iterations (--warmup)",
+        "before_capture": "come before or include a CUDA-graph capture",
+        "skipped_or_nan": "had skipped or NaN iterations (fp16 loss-scale skips?) or a non-finite loss",
+    }
+    total = sum(dropped.values())
+    parts = [f"{n} {words[k]}" for k, n in dropped.items() if n]
+    text = f"all {total} logged windows were dropped: " + "; ".join(parts) if parts else "no logged windows"
+    if dropped.get("warmup"):
+        text += " (lower --warmup?)"
+    return text

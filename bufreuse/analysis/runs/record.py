@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bufreuse.analysis.runs.hostlist import HostSet
 from bufreuse.errors import InputError
 
 __all__ = ["BUFFER_ALIASES", "MIB", "RunRecord", "normalise_buffer", "parse_slot_sizes"]
@@ -35,10 +36,14 @@ class RunRecord:
     """``sweep`` (metrics.json), ``megatron`` (training log) or ``snapshot`` (allocator snapshot)."""
     status: str = "ok"
     tflops: list[float] = field(default_factory=list)
-    """Steady-state throughput per GPU, one value per logged iteration."""
+    """Steady-state throughput per GPU, one value per sample (a log window or a measured step)."""
+    tflops_windows: list[int] = field(default_factory=list)
+    """Iterations each ``tflops`` value averages over (empty: one each)."""
     tflops_value: float | None = None
     """A single throughput figure when no per-iteration values exist (``metrics.json["tflops"]``)."""
     step_ms: list[float] = field(default_factory=list)
+    step_windows: list[int] = field(default_factory=list)
+    """Iterations each ``step_ms`` value averages over (empty: one each)."""
     max_allocated_bytes: int | None = None
     max_reserved_bytes: int | None = None
     max_active_bytes: int | None = None
@@ -48,10 +53,17 @@ class RunRecord:
     ring_slots: dict[str, int] = field(default_factory=dict)
     ring_slot_bytes: dict[str, int] = field(default_factory=dict)
     slot_bytes_source: str | None = None
-    node_list: list[str] | None = None
+    nodes: HostSet | None = None
+    config: dict[str, str] = field(default_factory=dict)
+    """The run's parallel layout, batch, sequence, precision and recompute (:mod:`.comparability`)."""
     job_id: str | None = None
     dropped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def node_list(self) -> list[str] | None:
+        """The node names when the node set is known and small enough to expand."""
+        return list(self.nodes.hosts) if self.nodes is not None and self.nodes.hosts is not None else None
 
     @property
     def ring_bytes(self) -> int | None:

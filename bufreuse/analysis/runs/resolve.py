@@ -22,14 +22,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bufreuse.analysis.runs.megatron_log import expand_hostlist, parse_log, steady_iterations
+from bufreuse.analysis.runs.comparability import run_config
+from bufreuse.analysis.runs.hostlist import HostSet, hosts_from_names, parse_hostlist
+from bufreuse.analysis.runs.megatron_log import describe_dropped, parse_log, steady_iterations
 from bufreuse.analysis.runs.record import MIB, RunRecord
 from bufreuse.config import BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch
 from bufreuse.errors import ConfigError, InputError, LogFormatError
 from bufreuse.fsutil import read_json
 from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
 
-__all__ = ["resolve_runs"]
+__all__ = ["resolve_runs", "snapshot_label"]
 
 _CONFIG_NAMES = {"num_experts": "num_moe_experts"}
 """Megatron arguments whose ``TransformerConfig`` field has another name (the bound reads the field)."""
@@ -143,9 +145,9 @@ def _from_config(paths: ConfigPaths, label: str, *, required: bool = True) -> Ru
         run.slot_bytes_source = "metrics.json"
     env = _mapping(metrics, "env", paths)
     run.job_id = str(env["slurm_job_id"]) if env.get("slurm_job_id") else None
-    run.node_list = _nodes(env.get("slurm_nodelist"), run.warnings) or _job_nodes(paths.job, run)
-    if run.node_list is None and env.get("hostname") and (_int(env.get("world_size")) or 1) <= 1:
-        run.node_list = [str(env["hostname"])]
+    run.nodes = _nodes(env.get("slurm_nodelist"), run.warnings) or _job_nodes(paths.job, run)
+    if run.nodes is None and env.get("hostname") and (_int(env.get("world_size")) or 1) <= 1:
+        run.nodes = hosts_from_names([str(env["hostname"])])
     return run
 
 
@@ -163,8 +165,8 @@ def _from_megatron_folder(folder: Path, warmup: int) -> RunRecord:
     if best is None:
         raise InputError(f"{folder}: no sweep metrics and no log file with Megatron iteration lines in it")
     run = best[1]
-    if run.node_list is None:
-        run.node_list = _job_nodes(folder / "job.json", run)
+    if run.nodes is None:
+        run.nodes = _job_nodes(folder / "job.json", run)
     return run
 
 
@@ -172,10 +174,13 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     log = parse_log(path)
     steady, dropped = steady_iterations(log, warmup=warmup)
     if not steady:
-        raise LogFormatError(f"{path}: no steady-state iterations left after dropping {dropped} (lower --warmup?)")
+        raise LogFormatError(f"{path}: no steady-state iterations: {describe_dropped(dropped, warmup=warmup)}")
     run = RunRecord(label=label, source=path, kind="megatron", dropped=dropped, warnings=list(log.warnings))
-    run.step_ms = [r.elapsed_ms for r in steady if r.elapsed_ms is not None]
-    run.tflops = [r.tflops for r in steady if r.tflops is not None]
+    timed = [r for r in steady if r.elapsed_ms is not None]
+    run.step_ms, run.step_windows = [r.elapsed_ms for r in timed], [r.window for r in timed]
+    rated = [r for r in steady if r.tflops is not None]
+    run.tflops, run.tflops_windows = [r.tflops for r in rated], [r.window for r in rated]
+    run.config = run_config(log.args)
     for attr, target in (
         ("max_allocated_mib", "max_allocated_bytes"),
         ("max_reserved_mib", "max_reserved_bytes"),
@@ -184,9 +189,9 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
         peak = log.peak(attr)
         if peak is not None:
             setattr(run, target, round(peak * MIB))
-    run.node_list, run.job_id = log.node_list, log.job_id
-    if run.node_list is None:
-        run.node_list = _job_nodes(path.parent / "job.json", run)
+    run.nodes, run.job_id = log.nodes, log.job_id
+    if run.nodes is None:
+        run.nodes = _job_nodes(path.parent / "job.json", run)
     _rings_from_args(log.args, run)
     return run
 
@@ -195,7 +200,7 @@ def _from_snapshot(path: Path) -> RunRecord:
     from bufreuse.analysis.snapshot.batch import report_file
 
     report = report_file(path)
-    run = RunRecord(label=path.name.split(".")[0], source=path, kind="snapshot")
+    run = RunRecord(label=snapshot_label(path), source=path, kind="snapshot")
     run.max_reserved_bytes = _int(report.get("max_reserved_bytes"))
     run.max_active_bytes = _int(report.get("max_active_bytes"))
     run.pending_free_bytes = _int(report.get("pending_free_at_max_active_bytes"))
@@ -264,7 +269,16 @@ def _typed_args(args: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _job_nodes(job_json: Path, run: RunRecord) -> list[str] | None:
+def snapshot_label(path: Path) -> str:
+    """A snapshot's label: its name less the snapshot suffix (``opt-1.3b.pickle.gz`` → ``opt-1.3b``)."""
+    name = path.name
+    for suffix in sorted(_SNAPSHOT_SUFFIXES, key=len, reverse=True):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)] or name
+    return path.stem or name
+
+
+def _job_nodes(job_json: Path, run: RunRecord) -> HostSet | None:
     try:
         job = read_json(job_json)
     except (OSError, ValueError):
@@ -275,17 +289,17 @@ def _job_nodes(job_json: Path, run: RunRecord) -> list[str] | None:
     for key in ("nodelist", "node_list", "NodeList", "nodes"):
         nodes = job.get(key)
         if isinstance(nodes, list) and nodes:
-            return [str(n) for n in nodes]
+            return hosts_from_names(nodes)
         if isinstance(nodes, str) and nodes:
             return _nodes(nodes, run.warnings)
     return None
 
 
-def _nodes(value: Any, warnings: list[str]) -> list[str] | None:
+def _nodes(value: Any, warnings: list[str]) -> HostSet | None:
     if not value or not isinstance(value, str):
         return None
     try:
-        return expand_hostlist(value)
+        return parse_hostlist(value)
     except ValueError as e:
         warnings.append(str(e))
         return None

@@ -5,23 +5,38 @@ Data in, numbers out; :mod:`.verdicts` turns the numbers into verdicts against n
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
 from typing import Any
+
+import numpy as np
 
 from bufreuse.analysis.runs.record import MIB, RunRecord
 
-__all__ = ["bootstrap_median_diff", "metric_values", "run_stats", "summarise"]
+__all__ = ["bootstrap_diff", "bootstrap_median_diff", "mean_diff_interval", "metric_values", "run_stats", "summarise"]
 
 
-def summarise(values: list[float]) -> dict[str, float | int | None]:
-    """Mean, median, p10, p90, min, max and count of a sample (None entries when empty)."""
-    import numpy as np
+def _weights(values: list[float], weights: list[int] | None) -> np.ndarray:
+    """Integer weights (iterations per log window), one per value; all 1 when not given."""
+    if not weights:
+        return np.ones(len(values), dtype=np.int64)
+    if len(weights) != len(values):
+        raise ValueError(f"{len(weights)} weights for {len(values)} values")
+    return np.maximum(np.asarray(weights, dtype=np.int64), 1)
 
+
+def summarise(values: list[float], weights: list[int] | None = None) -> dict[str, float | int | None]:
+    """Mean, median, p10, p90, min, max and count of a sample (None entries when empty).
+
+    ``weights`` (iterations per log window) make each value count as that many iterations:
+    figures are those of the per-iteration sample the windows stand for; ``n`` counts windows.
+    """
     if not values:
         return {"n": 0, "mean": None, "median": None, "p10": None, "p90": None, "min": None, "max": None}
-    a = np.asarray(values, dtype=float)
+    a = np.repeat(np.asarray(values, dtype=float), _weights(values, weights))
     p10, p50, p90 = np.percentile(a, [10, 50, 90])
     return {
-        "n": int(a.size),
+        "n": len(values),
         "mean": float(a.mean()),
         "median": float(p50),
         "p10": float(p10),
@@ -31,30 +46,106 @@ def summarise(values: list[float]) -> dict[str, float | int | None]:
     }
 
 
+def _boot_stat(values: np.ndarray, weights: np.ndarray, idx: np.ndarray, stat: str) -> np.ndarray:
+    """``stat`` (mean / median) of each resample ``idx`` (rows), weighted like :func:`summarise`."""
+    v, w = values[idx], weights[idx].astype(float)
+    if stat == "mean":
+        return (v * w).sum(axis=1) / w.sum(axis=1)
+    order = np.argsort(v, axis=1, kind="stable")
+    v, w = np.take_along_axis(v, order, axis=1), np.take_along_axis(w, order, axis=1)
+    cum, half = np.cumsum(w, axis=1), w.sum(axis=1, keepdims=True) / 2
+    # the median of the repeated sample: mean of its two middle elements (one when the total is odd)
+    lo = np.argmax(cum >= half, axis=1)
+    hi = np.argmax(cum > half, axis=1)
+    rows = np.arange(v.shape[0])
+    return (v[rows, lo] + v[rows, hi]) / 2
+
+
+def _t_quantile(p: float, df: float) -> float:
+    """Student-t quantile by the Cornish-Fisher expansion (within 1% of exact for df >= 2)."""
+    z = NormalDist().inv_cdf(p)
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+        + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * df**4)
+    )
+
+
+def mean_diff_interval(
+    base: list[float],
+    other: list[float],
+    *,
+    base_weights: list[int] | None = None,
+    other_weights: list[int] | None = None,
+    level: float = 0.95,
+) -> tuple[float, float] | None:
+    """Welch interval of mean(other) - mean(base); None with fewer than 3 samples a side.
+
+    A window averaging ``w`` iterations counts as a sample of variance sigma^2 / w: the mean is
+    weighted by ``w`` and its variance is sigma^2 / sum(w), sigma^2 estimated from the weighted
+    residuals over n - 1 (equal weights: the textbook Welch interval).
+    """
+    if len(base) < 3 or len(other) < 3:
+        return None
+    parts = []
+    for values, weights in ((base, base_weights), (other, other_weights)):
+        x, w = np.asarray(values, dtype=float), _weights(values, weights).astype(float)
+        mean = float((w * x).sum() / w.sum())
+        var_mean = float((w * (x - mean) ** 2).sum() / (x.size - 1) / w.sum())
+        parts.append((mean, var_mean, x.size - 1))
+    (ma, va, da), (mb, vb, db) = parts
+    se2 = va + vb
+    diff = mb - ma
+    if se2 <= 0:
+        return diff, diff
+    df = se2**2 / ((va**2 / da if va else 0.0) + (vb**2 / db if vb else 0.0))
+    half = _t_quantile(0.5 + level / 2, max(df, 1.0)) * math.sqrt(se2)
+    return diff - half, diff + half
+
+
+def bootstrap_diff(
+    base: list[float],
+    other: list[float],
+    *,
+    stat: str = "median",
+    base_weights: list[int] | None = None,
+    other_weights: list[int] | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float, float] | None:
+    """Percentile-bootstrap CI of stat(other) - stat(base) (``stat``: mean or median), windows
+    resampled whole and weighted by their iterations; None with fewer than 3 samples a side."""
+    if len(base) < 3 or len(other) < 3:
+        return None
+    if stat not in ("mean", "median"):
+        raise ValueError(f"stat must be mean or median, got {stat!r}")
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(base, dtype=float), np.asarray(other, dtype=float)
+    wa, wb = _weights(base, base_weights), _weights(other, other_weights)
+    ma = _boot_stat(a, wa, rng.integers(0, a.size, size=(n_boot, a.size)), stat)
+    mb = _boot_stat(b, wb, rng.integers(0, b.size, size=(n_boot, b.size)), stat)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(mb - ma, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def bootstrap_median_diff(
     base: list[float], other: list[float], *, n_boot: int = 2000, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float] | None:
     """Percentile-bootstrap CI of median(other) - median(base); None with fewer than 3 samples a side."""
-    import numpy as np
-
-    if len(base) < 3 or len(other) < 3:
-        return None
-    rng = np.random.default_rng(seed)
-    a, b = np.asarray(base, dtype=float), np.asarray(other, dtype=float)
-    ma = np.median(a[rng.integers(0, a.size, size=(n_boot, a.size))], axis=1)
-    mb = np.median(b[rng.integers(0, b.size, size=(n_boot, b.size))], axis=1)
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(mb - ma, [tail, 100 - tail])
-    return float(low), float(high)
+    return bootstrap_diff(base, other, stat="median", n_boot=n_boot, seed=seed, level=level)
 
 
 def run_stats(run: RunRecord) -> dict[str, Any]:
     """One run's figures in display units (MiB, TFLOP/s/GPU, ms), as ``compare --json`` lists them."""
     return {
         "status": run.status,
-        "tflops": summarise(run.tflops),
+        "tflops": summarise(run.tflops, run.tflops_windows),
         "tflops_value": run.tflops_value,
-        "step_ms": summarise(run.step_ms),
+        "step_ms": summarise(run.step_ms, run.step_windows),
         "max_allocated_mib": _mib(run.max_allocated_bytes),
         "max_reserved_mib": _mib(run.max_reserved_bytes),
         "max_active_mib": _mib(run.max_active_bytes),
@@ -63,7 +154,9 @@ def run_stats(run: RunRecord) -> dict[str, Any]:
         "ring_slots": dict(run.ring_slots),
         "ring_slot_mib": {k: v / MIB for k, v in run.ring_slot_bytes.items()},
         "ring_mib": _mib(run.ring_bytes),
-        "nodes": len(run.node_list) if run.node_list else None,
+        "nodes": run.nodes.count if run.nodes is not None else None,
+        "node_set": run.nodes.describe() if run.nodes is not None else None,
+        "config": dict(run.config),
         "job_id": run.job_id,
         "dropped": dict(run.dropped),
         "warnings": list(run.warnings),

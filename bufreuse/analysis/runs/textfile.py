@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bufreuse.errors import LogFormatError
 
-__all__ = ["MAX_DIGITS", "MAX_LINE_CHARS", "MAX_LOG_BYTES", "read_log_text"]
+__all__ = ["MAX_DIGITS", "MAX_LINE_CHARS", "MAX_LOG_BYTES", "check_log_text", "read_log_text"]
 
 MAX_LOG_BYTES = 2 << 30
 """Bytes of (decompressed) log read; a Megatron log of a month-long run is a few hundred MiB."""
@@ -59,11 +59,19 @@ def read_log_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_LOG_BYTE
         raise LogFormatError(f"{p}: truncated or corrupt gzip stream ({type(e).__name__})") from None
     if len(data) > max_bytes:
         raise LogFormatError(f"{p}: more than {max_bytes:,} bytes of log; not read")
-    head = data[:_SNIFF]
-    controls = sum(head.count(bytes([c])) for c in (*range(0, 9), *range(14, 32)))
-    if b"\0" in head or (head and controls > len(head) // 10):
+    return check_log_text(p, data.decode("utf-8", errors="replace"))
+
+
+def check_log_text(p: Path, text: str) -> str:
+    """Refuse text that is no training log: binary, a giant number, or an over-long line.
+
+    Raises:
+        LogFormatError: naming the file and what was found.
+    """
+    head = text[:_SNIFF]
+    controls = sum(head.count(chr(c)) for c in (*range(0, 9), *range(14, 32)))
+    if "\0" in head or (head and controls > len(head) // 10):
         raise LogFormatError(f"{p}: a binary file, not a text log")
-    text = data.decode("utf-8", errors="replace")
     if m := _HUGE_NUMBER.search(text):
         line = text.count("\n", 0, m.start()) + 1
         raise LogFormatError(f"{p}: a number of {MAX_DIGITS:,}+ digits at line {line}; not a training log")

@@ -1,11 +1,16 @@
-"""How a verdict is decided: deltas against noise bands, node-set caveats, the ring-storage explanation.
+"""How a verdict is decided: the interval of the difference against a noise band; node sets; rings.
 
-For each metric of a run against the baseline the verdict is ``improvement``, ``parity`` or
-``regression`` against a stated noise band: throughput and step time use a relative band, memory
-the larger of an absolute and a relative band (defaults in :class:`Bands`). Two honesty rules:
+A metric measured by samples (throughput, step time: one sample per log window or measured
+step) is judged by the 95% interval of its difference (Welch for means, bootstrap for medians)
+against the band (relative, in :class:`Bands`): ``parity`` only when the whole interval lies
+inside the band, ``improvement`` / ``regression`` only when it lies wholly beyond it on one
+side, ``inconclusive`` otherwise, and ``inconclusive`` with fewer than :data:`MIN_SAMPLES`
+steady-state samples a side (said in the note). So the verdict and its interval never
+contradict each other. A memory peak is one exact figure, not a sample: its delta is judged
+against the memory band (the larger of an absolute and a relative band).
 
-- runs on different node sets: a throughput "improvement" is reported as parity (not a speedup
-  claim), and the caveat is stated; regressions stay regressions;
+- runs on different node sets: a throughput improvement is not claimed (``inconclusive``, with
+  the caveat); regressions stay regressions;
 - an allocated-memory delta is explained by ring storage (slots × slot bytes per ring) when the
   ring sizes are known; the verdict stays, the explanation says whether it accounts for it. A
   growth no larger than the ring storage plus the memory band is marked ``explained_by`` and does
@@ -22,6 +27,7 @@ from bufreuse.analysis.runs.record import MIB, RunRecord
 from bufreuse.errors import InputError
 
 __all__ = [
+    "MIN_SAMPLES",
     "THROUGHPUT_METRICS",
     "VERDICTS",
     "Bands",
@@ -32,7 +38,9 @@ __all__ = [
     "node_sets",
 ]
 
-VERDICTS = ("improvement", "parity", "regression", "n/a")
+VERDICTS = ("improvement", "parity", "regression", "inconclusive", "n/a")
+MIN_SAMPLES = 5
+"""Fewest steady-state samples a side for a verdict on a sampled metric."""
 THROUGHPUT_METRICS = ("tflops_mean", "tflops_median", "tflops", "step_ms_mean", "step_ms_median")
 """Metrics that different node sets may not claim as an improvement."""
 
@@ -71,6 +79,10 @@ class MetricDelta:
     verdict: str = "n/a"
     ci_low: float | None = None
     ci_high: float | None = None
+    """95% interval of the delta (sampled metrics with >= 3 samples a side)."""
+    n_baseline: int | None = None
+    n_value: int | None = None
+    """Steady-state samples a side (None: an exact figure such as a memory peak)."""
     note: str | None = None
     explained_by: str | None = None
     """Set on an allocated-memory regression that the ring storage covers (``ring storage: 4 × 539
@@ -83,7 +95,11 @@ class MetricDelta:
 
 
 def judge(m: MetricDelta, bands: Bands, *, differ: bool) -> None:
-    """Set ``m``'s delta, band and verdict; ``differ``: the runs used different node sets."""
+    """Set ``m``'s delta, band and verdict; ``differ``: the runs used different node sets.
+
+    ``m.n_baseline`` / ``m.n_value`` (set) mark a sampled metric, judged by ``m.ci_low`` /
+    ``m.ci_high``; otherwise the delta itself is the exact difference.
+    """
     if m.baseline is None or m.value is None:
         return
     m.delta = m.value - m.baseline
@@ -92,32 +108,57 @@ def judge(m: MetricDelta, bands: Bands, *, differ: bool) -> None:
         m.band = max(bands.memory_mib, abs(m.baseline) * bands.memory_pct / 100)
     else:
         m.band = abs(m.baseline) * bands.throughput_pct / 100
-    gain = m.delta if m.better == "higher" else -m.delta
-    if abs(m.delta) <= m.band:
+    sign = 1.0 if m.better == "higher" else -1.0
+    if m.n_baseline is None and m.n_value is None:
+        low = high = m.delta
+    elif min(m.n_baseline or 0, m.n_value or 0) < MIN_SAMPLES:
+        m.verdict = "inconclusive"
+        m.note = join_notes(
+            m.note, f"n = {m.n_baseline} vs {m.n_value} steady-state samples (< {MIN_SAMPLES} a side): no verdict"
+        )
+        return
+    elif m.ci_low is None or m.ci_high is None:
+        m.verdict = "inconclusive"
+        m.note = join_notes(m.note, "no interval of the difference: no verdict")
+        return
+    else:
+        low, high = m.ci_low, m.ci_high
+    gain_low, gain_high = sorted((sign * low, sign * high))
+    if -m.band <= low and high <= m.band:
         m.verdict = "parity"
-    elif gain > 0:
+    elif gain_low > m.band:
         m.verdict = "improvement"
         if differ and m.metric in THROUGHPUT_METRICS:
-            m.verdict = "parity"
-            m.note = "not claimed as a speedup: the runs used different node sets"
-    else:
+            m.verdict = "inconclusive"
+            m.note = join_notes(m.note, "not claimed as a speedup: the runs used different node sets")
+    elif gain_high < -m.band:
         m.verdict = "regression"
+    else:
+        m.verdict = "inconclusive"
+        m.note = join_notes(
+            m.note, f"95% CI [{low:+.3g}, {high:+.3g}] {m.unit} is neither inside nor beyond the ±{m.band:.3g} band"
+        )
 
 
 def node_sets(base: RunRecord, run: RunRecord) -> tuple[str, str | None]:
-    """``same``, ``differ`` or ``unknown``, and the caveat to state with it (None when there is none)."""
-    if not base.node_list or not run.node_list:
+    """``same``, ``differ`` or ``unknown``, and the caveat to state with it (None when there is none).
+
+    Node sets compare as compressed host lists when either is too large to expand.
+    """
+    if base.nodes is None or run.nodes is None:
         caveat = None
         if base.kind == "megatron" or run.kind == "megatron":
             caveat = "node sets unknown: treat small throughput deltas as parity/regression signals"
         return "unknown", caveat
-    a, b = set(base.node_list), set(run.node_list)
-    if a == b:
+    if base.nodes.same_as(run.nodes):
         return "same", None
-    return "differ", (
-        f"node sets differ ({len(a & b)} of {len(a | b)} nodes shared): throughput deltas are "
-        "parity/regression signals, not speedups"
+    shared = base.nodes.shared(run.nodes)
+    how = (
+        f"{shared[0]} of {shared[1]} nodes shared"
+        if shared is not None
+        else f"{base.nodes.describe()} vs {run.nodes.describe()}"
     )
+    return "differ", f"node sets differ ({how}): throughput deltas are parity/regression signals, not speedups"
 
 
 def explain_allocated(

@@ -12,6 +12,12 @@ recording ring buffer dropped the oldest entries (frees whose alloc is gone).
   events recorded by ``record_stream`` before the allocator may reuse it).
 - active = allocated + pending free.
 
+A ``free_completed`` whose ``free_requested`` is not in the trace (torch 2.0's default
+``trace_alloc_max_entries=1`` keeps one entry) leaves the queue before it unknown: its bytes were
+pending before recording began, for a reason the trace cannot tell. They are kept apart
+(``pending_before_trace``), never counted as blocks waiting on ``record_stream``, and the replay
+says whether the max-active point moves without them.
+
 Sizes in alloc/free entries are requested bytes (torch records ``requested_size``), so the
 final-state baselines use the blocks' requested bytes too.
 
@@ -46,13 +52,24 @@ class Replay:
     max_reserved_index: int  # -1: the maximum is the state before the first event
     max_active: int
     max_active_index: int
-    frees_without_alloc: int  # free_requested whose alloc is not in the trace (ring buffer cut it)
+    frees_without_alloc: int  # free_requested whose alloc is not in the trace (allocated before it)
     completions_without_request: int  # free_completed with no free_requested before it
+    pending_before_trace: np.ndarray | None = None
+    """Bytes of the pending series already pending when the trace began (cause unknown); None: none."""
+    max_active_known: int = 0
+    """Max of active less the pending-before-trace bytes, and its index: where the peak is without them."""
+    max_active_known_index: int = -1
     warnings: list[str] = field(default_factory=list)
 
     @property
     def active(self) -> np.ndarray:
         return self.allocated + self.pending
+
+    def before_trace_at(self, index: int) -> int:
+        """Pending-before-trace bytes after event ``index`` (-1: before the first event, all of the baseline)."""
+        if index < 0:
+            return self.pending_baseline
+        return int(self.pending_before_trace[index]) if self.pending_before_trace is not None else 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +112,10 @@ def replay(t: EventTable, final: FinalState) -> Replay:
     quick = _immediate_frees(t)  # a plain free: never waits in the queue
     pend_delta[quick] = 0
     pend_delta[quick + 1] = 0
+    orphan_frees, orphan_done = _orphans(t)
+    known_delta = pend_delta.copy()
+    known_delta[orphan_done] = 0
+    known = np.cumsum(known_delta)  # blocks whose free_requested is in the trace: record_stream waits
     pending = np.cumsum(pend_delta)
     n = len(t)
     net = (int(reserved[-1]), int(allocated[-1]), int(pending[-1])) if n else (0, 0, 0)
@@ -113,26 +134,29 @@ def replay(t: EventTable, final: FinalState) -> Replay:
             )
     if (n and int(pending.min()) < 0) or base_p < 0:
         warnings.append("pending-free bytes go negative in the replay: free_completed entries without requests")
+    unknown = bool(len(orphan_done)) or base_p > 0
+    before = pending - known if n and unknown else None  # starts at base_p: nothing known pends before event 0
     if n:
         ir = int(np.argmax(reserved))
         max_r, ir = (int(reserved[ir]), ir) if reserved[ir] > base_r else (base_r, -1)
-        active = allocated + pending
-        peak = active.max()
-        if peak > base_a + base_p:
-            # ties: a free_requested moves bytes from allocated to pending and keeps active flat, so
-            # take the tied point with the longest pending-free queue (the one the report is about)
-            tied = np.flatnonzero(active == peak)
-            ia = int(tied[np.argmax(pending[tied])])
-            max_a = int(peak)
-        else:
-            max_a, ia = base_a + base_p, -1
+        max_a, ia = _peak(allocated + pending, pending, base_a + base_p)
+        max_k, ik = _peak(allocated + known, known, base_a) if unknown else (max_a, ia)
     else:
         max_r, ir, max_a, ia = final.reserved, -1, final.allocated_requested + final.pending_requested, -1
-    orphan_frees, orphan_done = _orphans(t)
+        max_k, ik = final.allocated_requested, -1
+    orphan_dones = len(orphan_done)
     if orphan_frees:
         warnings.append(
-            f"{orphan_frees} frees of blocks whose alloc is not in the trace (the recording ring buffer "
-            "dropped the oldest entries: raise max_entries)"
+            f"{orphan_frees} frees of blocks whose alloc is not in the trace: memory that predates recording "
+            "(allocated before the first trace entry, counted from the final state); only if recording was "
+            "already on when they were allocated did the recording ring buffer drop their allocs (max_entries)"
+        )
+    if unknown:
+        moved = "moves" if ik != ia else "does not move"
+        warnings.append(
+            f"{_mib(base_p)} pending free before the trace began ({orphan_dones} free_completed entries without "
+            "their free_requested): cause unknown, not counted as blocks waiting on record_stream; "
+            f"the max-active point {moved} without them"
         )
     return Replay(
         reserved=reserved,
@@ -146,9 +170,29 @@ def replay(t: EventTable, final: FinalState) -> Replay:
         max_active=max_a,
         max_active_index=ia,
         frees_without_alloc=orphan_frees,
-        completions_without_request=orphan_done,
+        completions_without_request=orphan_dones,
+        pending_before_trace=before,
+        max_active_known=max_k,
+        max_active_known_index=ik,
         warnings=warnings,
     )
+
+
+def _peak(active: np.ndarray, pending: np.ndarray, baseline: int) -> tuple[int, int]:
+    """Max of ``active`` and its index (-1: the state before the first event is the max).
+
+    Ties: a free_requested moves bytes from allocated to pending and keeps active flat, so the tied
+    point with the longest pending-free queue wins (the one the report is about).
+    """
+    peak = active.max()
+    if peak <= baseline:
+        return baseline, -1
+    tied = np.flatnonzero(active == peak)
+    return int(peak), int(tied[np.argmax(pending[tied])])
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
 
 
 def _immediate_frees(t: EventTable) -> np.ndarray:
@@ -171,18 +215,18 @@ def _sorted_by_addr(t: EventTable, codes: tuple[int, ...], upto: int | None = No
     return idx[np.argsort(t.addr[idx], kind="stable")]
 
 
-def _orphans(t: EventTable) -> tuple[int, int]:
-    """Count frees whose previous event on that address is not an alloc, and completions likewise."""
+def _orphans(t: EventTable) -> tuple[int, np.ndarray]:
+    """Frees whose previous event on that address is not an alloc (a count), and the indices of
+    completions whose previous event there is not their request."""
     idx = _sorted_by_addr(t, (ALLOC, FREE_REQ, FREE_DONE))
     if len(idx) == 0:
-        return 0, 0
+        return 0, np.zeros(0, dtype=np.int64)
     act, addr = t.action[idx], t.addr[idx]
     prev_act = np.concatenate(([-1], act[:-1]))
     same = np.concatenate(([False], addr[1:] == addr[:-1]))
-    frees = act == FREE_REQ
-    orphan_free = frees & ~(same & (prev_act == ALLOC))
+    orphan_free = (act == FREE_REQ) & ~(same & (prev_act == ALLOC))
     orphan_done = (act == FREE_DONE) & ~(same & (prev_act == FREE_REQ))
-    return int(orphan_free.sum()), int(orphan_done.sum())
+    return int(orphan_free.sum()), idx[orphan_done]
 
 
 def pending_blocks_at(t: EventTable, index: int) -> list[PendingBlock]:

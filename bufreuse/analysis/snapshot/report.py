@@ -2,7 +2,8 @@
 
 :func:`analyze` returns exactly the JSON object ``bufreuse snapshot-report --json`` prints for a
 file: peak reserved (and when), peak active (allocated + pending free) and the pending-free queue
-at that point grouped by allocation site, size and stream, the final state by block state,
+at that point grouped by allocation site, size and stream (bytes already pending before the trace
+began are reported apart: cause unknown, not record_stream waits), the final state by block state,
 fragmentation, per-stream and per-pool totals, OOMs and warnings. Sites are read only for the
 blocks in the pending-free queue at the max-active point, because frames are the expensive part.
 Reading files (one or several, in worker processes) is :mod:`.batch`.
@@ -139,13 +140,18 @@ def _figures(
             "max_active_time_us": None,
             "allocated_at_max_active_bytes": final.allocated_requested,
             "pending_free_at_max_active_bytes": final.pending_requested,
+            "pending_before_trace_at_max_active_bytes": 0,
+            "max_active_depends_on_pending_before_trace": False,
+            "max_active_without_pending_before_trace_bytes": final_active,
+            "max_active_without_pending_before_trace_event_index": None,
             "max_pending_free_bytes": final.pending_requested,
             "reserved_at_max_active_bytes": final.reserved,
         }
         frees_without_alloc = completions_without_request = 0
     else:
         ia, ir = r.max_active_index, r.max_reserved_index
-        pend_at = _at(r.pending, ia, r.pending_baseline)
+        before_at = r.before_trace_at(ia)
+        pend_at = _at(r.pending, ia, r.pending_baseline) - before_at
         out |= {
             "num_trace_events": len(t),
             "max_reserved_bytes": r.max_reserved,
@@ -157,10 +163,14 @@ def _figures(
             "max_active_time_us": int(t.time_us[ia]) if t.time_us is not None and ia >= 0 else None,
             "allocated_at_max_active_bytes": _at(r.allocated, ia, r.allocated_baseline),
             "pending_free_at_max_active_bytes": pend_at,
+            "pending_before_trace_at_max_active_bytes": before_at,
+            "max_active_depends_on_pending_before_trace": r.max_active_known_index != ia,
+            "max_active_without_pending_before_trace_bytes": r.max_active_known,
+            "max_active_without_pending_before_trace_event_index": r.max_active_known_index,
             "max_pending_free_bytes": max(int(r.pending.max()), r.pending_baseline),
             "reserved_at_max_active_bytes": _at(r.reserved, ia, r.reserved_baseline),
         }
-        groups = _pending_groups(t, ia, pend_at, rules)
+        groups = _pending_groups(t, ia, rules)
         for g in groups:
             by_cat[g["category"]] = by_cat.get(g["category"], 0) + g["total_bytes"]
             s = streams.setdefault(str(g["stream"]), {})
@@ -208,10 +218,13 @@ def _figures(
     return out
 
 
-def _pending_groups(t: EventTable, index: int, pending_total: int, rules: SiteRules) -> list[dict[str, Any]]:
-    """The pending-free queue at ``index``, grouped by (site, size, stream, category), biggest first."""
+def _pending_groups(t: EventTable, index: int, rules: SiteRules) -> list[dict[str, Any]]:
+    """The pending-free queue at ``index``, grouped by (site, size, stream, category), biggest first.
+
+    Only blocks whose ``free_requested`` is in the trace: bytes pending before it began are not
+    record_stream waits that the trace can show (the report lists them apart).
+    """
     groups: dict[tuple[str, int, int, str], int] = {}
-    named = 0
     for b in pending_blocks_at(t, index):
         if b.alloc_index >= 0:
             frames = t.entries[b.alloc_index].get("frames")
@@ -219,22 +232,10 @@ def _pending_groups(t: EventTable, index: int, pending_total: int, rules: SiteRu
         else:
             key = (BEFORE_TRACE_SITE, b.size, b.stream, "other")
         groups[key] = groups.get(key, 0) + 1
-        named += b.size
     out = [
         {"site": s, "size_bytes": size, "count": c, "total_bytes": size * c, "stream": st, "category": cat}
         for (s, size, st, cat), c in groups.items()
     ]
-    if pending_total > named:  # blocks already pending when recording started
-        out.append(
-            {
-                "site": "<pending before trace>",
-                "size_bytes": pending_total - named,
-                "count": 1,
-                "total_bytes": pending_total - named,
-                "stream": 0,
-                "category": "other",
-            }
-        )
     out.sort(key=lambda g: (-g["total_bytes"], g["site"], g["size_bytes"]))
     return out
 

@@ -1,0 +1,187 @@
+"""Every line grammar the log parser knows, in one table: name, example, pattern, what it yields, era.
+
+Megatron-family logs print a handful of line shapes, with variations by era and fork. The
+parser (:mod:`.megatron_log`) only dispatches; each shape is a :class:`LineGrammar` here, and
+each field of an iteration line a :class:`FieldGrammar`. The tests parse every ``example``.
+
+Lines are cleaned first (:func:`clean_text`): ANSI colour codes and carriage returns go. Line
+prefixes are never parsed: every pattern is searched, not anchored, so timestamps,
+``[rank-3/8][INFO ] [--------trainer.py:2471] :``, ``[default3]:`` and srun ``host: `` prefixes
+pass through.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "FIELDS",
+    "GRAMMARS",
+    "FieldGrammar",
+    "LineGrammar",
+    "clean_text",
+    "describe_unknown",
+    "grammar",
+]
+
+NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+@dataclass(frozen=True, slots=True)
+class LineGrammar:
+    """One line shape: how to find it, what it gives, which tools and eras print it."""
+
+    name: str
+    era: str
+    example: str
+    pattern: re.Pattern[str]
+    yields: str
+
+
+@dataclass(frozen=True, slots=True)
+class FieldGrammar:
+    """One ``label: value |`` field of an iteration line and the record attribute it fills."""
+
+    label: str
+    attr: str
+    scale: float
+    era: str
+
+
+_MEM_TAIL = (
+    rf"memory \(MB\)\s*\|\s*allocated:\s*({NUM})\s*\|\s*max allocated:\s*({NUM})"
+    rf"\s*\|\s*(?:reserved|cached):\s*({NUM})\s*\|\s*max (?:reserved|cached):\s*({NUM})"
+    rf"(?:\s*\|\s*total device memory used:\s*({NUM}))?"
+)
+
+GRAMMARS: tuple[LineGrammar, ...] = (
+    LineGrammar(
+        name="iteration",
+        era="Megatron-LM 2019-2026 (ms or s), Megatron-DeepSpeed / BigScience, forks, NeMo / Megatron-Bridge",
+        example=(
+            " iteration       12/      30 | consumed samples:         1536 | elapsed time per iteration (ms):"
+            " 6123.4 | throughput per GPU (TFLOP/s/GPU): 1124.9 | lm loss: 2.345678E+00 |"
+            " number of skipped iterations:   0 | number of nan iterations:   0 |"
+        ),
+        pattern=re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|"),
+        yields="iteration, train_iters, the '|'-terminated fields of FIELDS (a field cut before its '|' is not read)",
+    ),
+    LineGrammar(
+        name="memory-rank",
+        era="Megatron-LM 2021-2026 ('[Rank N]'; 'cached' before torch 1.4 renamed it 'reserved')",
+        example=(
+            "[Rank 0] (after 2 iterations) memory (MB) | allocated: 152545.00 | max allocated: 152600.00 |"
+            " reserved: 170000.00 | max reserved: 175294.00 | total device memory used: 187430.00"
+        ),
+        pattern=re.compile(r"\[Rank (\d+)\]\s*([^\[\]|]*?)\s*" + _MEM_TAIL),
+        yields="rank, label, allocated / max allocated / reserved / max reserved (MiB), device used (MiB) if printed",
+    ),
+    LineGrammar(
+        name="memory-norank",
+        era="Megatron-LM 2020 (printed by rank 0, no '[Rank N]')",
+        example=(
+            "after 10 iterations memory (MB) | allocated: 8123.5 | max allocated: 12001.25 | reserved: 15000.0 |"
+            " max reserved: 16384.0"
+        ),
+        pattern=re.compile(r"(?<![\w\]])(after (\d+) iterations)\s*" + _MEM_TAIL),
+        yields="the same figures as memory-rank, rank unknown (None)",
+    ),
+    LineGrammar(
+        name="argument",
+        era="Megatron-LM, Megatron-DeepSpeed: the '---- arguments ----' block at start-up",
+        example="  pipeline_model_parallel_size .................... 4",
+        pattern=re.compile(r"(?:^|[\s:\]])([a-z_][a-z0-9_]*) \.{3,} (.*?)\s*$"),
+        yields="args[name] = printed value (raw string)",
+    ),
+    LineGrammar(
+        name="world-size",
+        era="Megatron-LM 2020-2026 start-up line (the only parallel layout 2020 logs print besides arguments)",
+        example=(
+            "using world size: 64, data-parallel size: 8, tensor-model-parallel size: 4,"
+            " pipeline-model-parallel size: 2"
+        ),
+        pattern=re.compile(r"using world size:\s*(\d+)"),
+        yields="world_size, data_parallel_size, tensor_model_parallel_size, pipeline_model_parallel_size, ...",
+    ),
+    LineGrammar(
+        name="cuda-graph-capture",
+        era="Megatron-LM / Transformer Engine CUDA-graph capture messages",
+        example="[rank0]: > capturing cuda graph for 4 layers",
+        pattern=re.compile(
+            r"capture cuda graph|cuda graph capture|capturing cuda graph|cuda graphs? captured", re.IGNORECASE
+        ),
+        yields="the next iteration logged includes the capture (dropped from statistics)",
+    ),
+    LineGrammar(
+        name="nodelist",
+        era="SLURM environment dumps, scontrol show job",
+        example="SLURM_JOB_NODELIST=pool0-[0001-0016,0033-0048]",
+        pattern=re.compile(r"\b(?:SLURM_JOB_NODELIST|SLURM_NODELIST|NodeList|nodelist)\s*[=:]\s*(\S+)"),
+        yields="the job's node set (compressed host list, expanded only when small)",
+    ),
+    LineGrammar(
+        name="jobid",
+        era="SLURM environment dumps, scontrol show job",
+        example="SLURM_JOB_ID=2796012",
+        pattern=re.compile(r"\b(?:SLURM_JOB_ID|SLURM_JOBID|JobId)\s*[=:]\s*(\d+)"),
+        yields="the job id",
+    ),
+)
+
+FIELDS: dict[str, FieldGrammar] = {
+    f.label: f
+    for f in (
+        FieldGrammar(label="elapsed time per iteration (ms)", attr="elapsed_ms", scale=1.0, era="Megatron-LM 2021-"),
+        FieldGrammar(label="elapsed time per iteration (s)", attr="elapsed_ms", scale=1000.0, era="Megatron-DeepSpeed"),
+        FieldGrammar(label="throughput per GPU (TFLOP/s/GPU)", attr="tflops", scale=1.0, era="Megatron-LM 2023-"),
+        FieldGrammar(label="TFLOPs", attr="tflops", scale=1.0, era="Megatron-DeepSpeed / BigScience (per GPU)"),
+        FieldGrammar(label="samples per second", attr="samples_per_s", scale=1.0, era="Megatron-DeepSpeed"),
+        FieldGrammar(label="lm loss", attr="loss", scale=1.0, era="all"),
+        FieldGrammar(label="number of skipped iterations", attr="skipped", scale=1.0, era="all"),
+        FieldGrammar(label="number of nan iterations", attr="nan", scale=1.0, era="all"),
+    )
+}
+"""Iteration-line fields by printed label. A value printed ``current/average`` (``13090.4/13102.9``)
+is read as its current value, the window's own figure."""
+
+TIMING_ATTRS = ("elapsed_ms", "tflops")
+"""An iteration line counts only with one of these (else it is a validation or foreign line)."""
+
+
+def grammar(name: str) -> LineGrammar:
+    """The grammar called ``name``."""
+    return next(g for g in GRAMMARS if g.name == name)
+
+
+def clean_text(text: str) -> str:
+    """``text`` without ANSI escape codes (colour, cursor) and with CRLF / CR line ends as LF."""
+    if "\x1b" in text:
+        text = _ANSI_RE.sub("", text)
+    return text.replace("\r\n", "\n")
+
+
+_ITER_ANY = re.compile(r"\biteration\s+\d+\s*/\s*\d+")
+_LABEL = re.compile(r"\|\s*([A-Za-z][^:|]{0,60}?)\s*:")
+
+
+def describe_unknown(text: str) -> str:
+    """What the parser looked for and what ``text`` holds instead, for a "no iteration lines" error."""
+    wanted = (
+        "looked for iteration lines 'iteration N/ M | ... | <timing field>: X |' with a timing field "
+        f"({', '.join(repr(f.label) for f in FIELDS.values() if f.attr in TIMING_ATTRS)})"
+    )
+    if "\x00" in text[:4096] or text[:1] == "\ufffd":
+        return f"{wanted}; found binary data instead (an allocator snapshot? use snapshot-report)"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    iteration_lines = [ln for ln in lines if _ITER_ANY.search(ln)]
+    if iteration_lines:
+        labels: dict[str, None] = {}
+        for ln in iteration_lines[:50]:
+            labels.update(dict.fromkeys(m.group(1) for m in _LABEL.finditer(ln)))
+        shown = ", ".join(repr(x) for x in list(labels)[:8]) or "none"
+        return f"{wanted}; found {len(iteration_lines)} 'iteration N/M' line(s) without one, with fields {shown}"
+    first = lines[0] if lines else ""
+    clip = first if len(first) <= 100 else first[:100] + "…"
+    return f"{wanted}; found {len(lines)} other non-empty line(s) instead, the first: {clip!r}"
