@@ -89,16 +89,19 @@ BREAKERS = {
         _hybridep_cfg,
         {"fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]},
     ),
+    "no_expert_input_offload": (
+        _alltoall_cfg,
+        {"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"]},
+    ),
+    "no_delayed_wgrad": (_alltoall_cfg, {"delay_wgrad_compute": True}),
     "unfused_permute": (_alltoall_cfg, {"moe_permute_fusion": True}),
-    "sequential_mlp": (_alltoall_cfg, {"moe_grouped_gemm": True}),
     "no_shared_expert_overlap": (_alltoall_cfg, {"moe_shared_expert_overlap": True}),
-    "no_moe_recompute": (_alltoall_cfg, {"recompute_granularity": "selective", "recompute_modules": ["moe"]}),
     "no_cuda_graphs": (_alltoall_cfg, {"cuda_graph_impl": "full_iteration"}),
 }
 
 
 def test_every_rule_has_a_breaker_or_a_dedicated_test() -> None:
-    dedicated = {"deepep_output_token", "te_grouped_output", "tokens_known", "dispatch_slots"}
+    dedicated = {"deepep_output_token", "te_grouped_output", "expert_output_writer", "tokens_known", "dispatch_slots"}
     assert {r.key for r in REQUIREMENTS} == set(BREAKERS) | dedicated
 
 

@@ -26,7 +26,7 @@ def test_check_config_json_lists_rings_and_requirements() -> None:
     # slots x rows x hidden x bytes: 2 x (EP 2 x 4096 tokens x min(topk 2, 4 local)) x 2048 x 2
     assert data["rings"]["dispatch"]["persistent_bytes"] == 2 * 16384 * 2048 * 2
     assert data["persistent_bytes_total"] == 2 * data["rings"]["dispatch"]["persistent_bytes"]
-    assert {r["key"] for r in data["requirements"]} >= {"dispatcher", "unfused_permute", "sequential_mlp"}
+    assert {r["key"] for r in data["requirements"]} >= {"dispatcher", "unfused_permute", "expert_output_writer"}
 
 
 def test_check_config_hybridep_needs_backend_apis_here() -> None:

@@ -50,8 +50,10 @@ def test_fake_deepep_seed_signature_is_upstream_plus_output_token() -> None:
 
 def test_fake_te_signature_is_upstream_plus_out() -> None:
     assert str(inspect.signature(te.GroupedLinearUpstream.forward)) == te.UPSTREAM_MODULE_FORWARD
+    assert str(inspect.signature(te.GroupedLinear.forward)) == te.TE_2_20_MODULE_FORWARD
+    assert str(inspect.signature(te.TEGroupedLinearBase.forward)) == te.TE_2_20_MODULE_FORWARD
     params = dict(inspect.signature(te.GroupedLinear.forward).parameters)
-    assert params.pop("out").default is None
+    assert params.pop("out").default is None and params.pop("dgrad_out").default is None
     assert str(inspect.Signature(list(params.values()))) == te.UPSTREAM_MODULE_FORWARD
 
 

@@ -27,11 +27,12 @@ KEY_ORDER = [
     "grouped_gemm",
     "te_grouped_output",
     "no_fused_group_mlp_offload",
+    "no_expert_input_offload",
+    "no_delayed_wgrad",
     "tokens_known",
     "unfused_permute",
-    "sequential_mlp",
+    "expert_output_writer",
     "no_shared_expert_overlap",
-    "no_moe_recompute",
     "no_cuda_graphs",
     "dispatch_slots",
 ]
@@ -112,9 +113,50 @@ def test_adapters_for_gives_each_buffer_to_the_first_supporting_adapter(monkeypa
 
     fakes = (Fake("a", {"dispatch"}, True), Fake("b", {"dispatch", "expert"}, True), Fake("c", {"expert"}, True))
     monkeypatch.setattr(megatron, "ADAPTERS", fakes)
-    assert [a.name for a in megatron._adapters_for(object())] == ["a", "c"]
+    layer, inst = object(), _installation()
+    assert [a.name for a in megatron._adapters_for(layer, inst)] == ["a", "b"]  # b takes what a left: expert
+    assert inst._owners == {(id(layer), "dispatch"): "a", (id(layer), "expert"): "b"}
     fakes[0].ok = False
-    assert [a.name for a in megatron._adapters_for(object())] == ["b"]
+    inst = _installation()
+    assert [a.name for a in megatron._adapters_for(layer, inst)] == ["b"]
+    assert set(inst._owners.values()) == {"b"}
+
+
+def test_expert_output_writer_row_needs_sequential_mlp_or_te_out() -> None:
+    from bufreuse.integrations.features import Features
+    from bufreuse.integrations.requirements import check
+
+    on = Features(deepep_output_token=False, deepep_detail="", te_grouped_output=True, te_detail="te out=")
+    off = Features(deepep_output_token=False, deepep_detail="", te_grouped_output=False, te_detail="no TE")
+    knobs = BufReuseConfig(moe_hybridep_num_expert_output_buffers=2)
+    base = {"moe_token_dispatcher_type": "alltoall", "hidden_size": 8, "num_moe_experts": 2}
+
+    def unmet(cfg: dict, feats: Features) -> dict:
+        report = check(cfg, knobs, seq_length=4, micro_batch_size=1, features=feats)
+        return {i.key: i.note for i in report.unmet}
+
+    assert "expert_output_writer" not in unmet({**base, "moe_grouped_gemm": False}, off)
+    assert "expert_output_writer" not in unmet({**base, "moe_grouped_gemm": True}, on)
+    assert unmet({**base, "moe_grouped_gemm": True}, off)["expert_output_writer"] == "no TE"
+
+
+def test_install_refusals_name_the_field_for_deferred_readers() -> None:
+    knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=2)
+    got = core.install_refusals(
+        {"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"], "delay_wgrad_compute": True},
+        knobs,
+        "alltoall",
+    )
+    assert [g.split(":")[0] for g in got] == [
+        "[dispatch/ring] no_expert_input_offload",
+        "[dispatch/ring] no_delayed_wgrad",
+    ]
+    assert "offload_modules" in got[0] and "delay_wgrad_compute" in got[1]
+    assert core.install_refusals({"overlap_dispatch_backward_with_experts_wgrad": True}, knobs, "hybridep")
+    control = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True, moe_bufreuse_dispatch_policy="record-stream"
+    )
+    assert not core.install_refusals({"delay_wgrad_compute": True}, control, "alltoall")  # allocator keeps it alive
 
 
 def test_core_and_requirements_import_without_torch_or_megatron() -> None:

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from megatron_cpu import single_process_model_parallel  # noqa: E402
+from schedule_harness import MODES, guard, mode_env  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
@@ -99,16 +100,18 @@ def _knobs(slots: int = 2, policy: str = "ring") -> BufReuseConfig:
     )
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_experts", [8, 1])
-def test_install_matches_control_interleaved(parallel, num_experts: int) -> None:
+def test_install_matches_control_interleaved(parallel, num_experts: int, mode: str) -> None:
     layer = _layer(num_experts)
     xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     ref_out, ref_grad = _interleaved(layer, xs)
     ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
-    pool = BufferPool("cpu")
-    with install(layer, pool, _knobs(), tokens=TOKENS), pool.autograd_guard():
-        out, grad = _interleaved(layer, xs)
+    with mode_env(mode):
+        pool = BufferPool("cpu")
+        with install(layer, pool, _knobs(), tokens=TOKENS), guard(pool, mode):
+            out, grad = _interleaved(layer, xs)
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ref_grad, grad, strict=True))
     got_params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
@@ -117,11 +120,10 @@ def test_install_matches_control_interleaved(parallel, num_experts: int) -> None
     stats = pool.stats()
     assert {s.acquisitions for s in stats.values()} == {3} and {s.releases for s in stats.values()} == {3}
     # pad mode at EP = 1: the local-expert sort is a no-op view, so the experts read the dispatch
-    # slot directly and their (fp32/bf16) GEMMs save it: held until its backward, two in flight.
-    assert stats["dispatch_output"].peak_held == 2
-    # the FC2 slot's final reader is then the unpermute, which may save it (index_add_ under
-    # deterministic algorithms): also released after its backward.
-    assert stats["expert_fc2_output"].peak_held == 2
+    # slot directly and their (fp32) GEMMs save it: by fact, held until its backward, two in flight.
+    assert stats["dispatch_output"].peak_held == 2 and stats["dispatch_output"].deferred_releases == 3
+    # the unpermute saves nothing from the FC2 slot here (not deterministic): released in forward.
+    assert stats["expert_fc2_output"].peak_held == 1 and stats["expert_fc2_output"].deferred_releases == 0
 
 
 @pytest.mark.parametrize("policy", ["stream-ordered", "record-stream"])
@@ -204,21 +206,21 @@ def test_offload_forced_release_filters_ring_storage() -> None:
     assert pool.owns("dispatch_output", slot)  # the probe changed no ring state
 
 
-def test_forward_release_of_saved_slot_trips_guard() -> None:
-    pool = BufferPool("cpu")
+def test_release_of_saved_slot_waits_for_its_backward_by_fact() -> None:
+    pool = BufferPool("cpu", debug=False)
     pool.register("dispatch_output", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(8, 4, requires_grad=True)
     box: list[Held] = []
-    with pool.autograd_guard():
+    with pool.track_saved():
         y = RingAllToAll.apply(x, pool, "dispatch_output", None, None, None, False, box)
         z = y @ w  # saves y (ring storage) for backward, like a bf16 expert GEMM
-        with pytest.raises(SavedForBackwardError):
-            box[0].release()
-        box[0].released = False
-        box[0].release_in_backward = True
-        z.sum().backward()
-    assert box[0].released and pool.stats()["dispatch_output"].releases == 1
+    with pytest.raises(SavedForBackwardError):
+        pool.release("dispatch_output", box[0].tensor)  # a plain release would let the slot be overwritten
+    box[0].release()
+    assert box[0].deferred and pool.get("dispatch_output").held == 1
+    z.sum().backward()
+    assert pool.get("dispatch_output").held == 0 and pool.stats()["dispatch_output"].releases == 1
 
 
 def test_early_reuse_error_names_the_knob() -> None:
@@ -229,7 +231,7 @@ def test_early_reuse_error_names_the_knob() -> None:
         acquire_with_hint(pool, "expert_fc2_output", (8, 4))
 
 
-def test_install_deterministic_unpermute_defers_fc2_release(parallel) -> None:
+def test_deterministic_unpermute_defers_fc2_release_by_fact(parallel) -> None:
     """Under deterministic algorithms the unpermute's index_add_ saves the FC2 slot (seen on the H200)."""
     layer = _layer(1)
     xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -238,12 +240,13 @@ def test_install_deterministic_unpermute_defers_fc2_release(parallel) -> None:
     try:
         ref_out, ref_grad = _interleaved(layer, xs)
         pool = BufferPool("cpu")
-        with install(layer, pool, _knobs(), tokens=TOKENS), pool.autograd_guard():
+        with install(layer, pool, _knobs(), tokens=TOKENS):  # production mode: no guard
             out, grad = _interleaved(layer, xs)
     finally:
         torch.use_deterministic_algorithms(was)
     assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
-    assert pool.stats()["expert_fc2_output"].peak_held == 2
+    stats = pool.stats()["expert_fc2_output"]
+    assert stats.peak_held == 2 and stats.deferred_releases == 3  # index_add_ saved it: by fact, not by config
 
 
 def test_dtype_mismatch_is_refused_not_cast() -> None:

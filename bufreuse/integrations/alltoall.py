@@ -9,10 +9,9 @@ Two autograd Functions do the writing; the layer hooks in
 - :class:`CatIntoRing` concatenates the per-expert FC2 outputs into an expert-output slot
   (replacing ``torch.cat``, which allocated the same bytes). Backward splits the gradient.
 
-Release happens at the final consumer. When that consumer saves the buffer for backward (the
-bf16 expert GEMM reading the dispatch slot directly, one local expert and no TP), the release is
-deferred to the producer Function's backward, which autograd runs only after every consumer's
-backward has read the slot. Costs: one pool acquire/release pair per buffer per layer call.
+Neither saves its output, and neither releases: the layer hooks release each slot after its last
+forward reader with ``Held.release`` (``pool.release_when_unsaved``), which waits for whatever a
+consumer saved from it. Costs: one pool acquire/release pair per buffer per layer call.
 """
 
 from __future__ import annotations
@@ -67,9 +66,7 @@ class RingAllToAll(torch.autograd.Function):
             )
             if use_nccl_stream:
                 work.wait()
-        held = Held(pool=pool, name=name, tensor=slot)
-        box.append(held)
-        ctx.held = held
+        box.append(Held(pool=pool, name=name, tensor=slot))
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.world = group, out_splits, in_splits, world
         return slot
 
@@ -84,8 +81,6 @@ class RingAllToAll(torch.autograd.Function):
             torch.distributed.all_to_all_single(
                 grad_in, grad, output_split_sizes=ctx.in_splits, input_split_sizes=ctx.out_splits, group=ctx.group
             )
-        if ctx.held.release_in_backward:
-            ctx.held.release()
         return grad_in, None, None, None, None, None, None, None
 
 
@@ -97,14 +92,10 @@ class CatIntoRing(torch.autograd.Function):
         rows = sum(p.shape[0] for p in parts)
         slot = acquire_with_hint(pool, name, (rows, *parts[0].shape[1:]), parts[0].dtype)
         torch.cat(parts, dim=0, out=slot)
-        held = Held(pool=pool, name=name, tensor=slot)
-        box.append(held)
-        ctx.held = held
+        box.append(Held(pool=pool, name=name, tensor=slot))
         ctx.sizes = [p.shape[0] for p in parts]
         return slot
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        if ctx.held.release_in_backward:
-            ctx.held.release()
         return (None, None, None, *torch.split(grad, ctx.sizes, dim=0))

@@ -30,6 +30,7 @@ __all__ = [
     "BOTH",
     "DISPATCH",
     "EXPERT",
+    "INSTALL_ROWS",
     "KNOBS",
     "PATHS",
     "REUSE",
@@ -44,9 +45,11 @@ __all__ = [
     "aliases",
     "cfg_get",
     "cfg_has",
+    "install_refusals",
     "ring_name",
     "shared_patch",
     "shared_patches_applied",
+    "tracked",
 ]
 
 DISPATCH = "dispatch_output"
@@ -112,21 +115,104 @@ class Requirement:
     """Fields this row can only be met through; absent on older megatron-core -> cannot be met."""
 
 
+def _offloads(c: CheckContext, module: str) -> bool:
+    mods = cfg_get(c.cfg, "offload_modules", None) or []
+    return bool(cfg_get(c.cfg, "fine_grained_activation_offloading", False)) and module in mods
+
+
+def _delayed_wgrad(c: CheckContext) -> bool:
+    return bool(
+        cfg_get(c.cfg, "delay_wgrad_compute", False)
+        or cfg_get(c.cfg, "overlap_dispatch_backward_with_experts_wgrad", False)
+    )
+
+
+INSTALL_ROWS: tuple[Requirement, ...] = (
+    Requirement(
+        key="no_fused_group_mlp_offload",
+        buffers=frozenset({"dispatch"}),
+        paths=PATHS,
+        policies=RING,
+        text="no fine-grained fused_group_mlp activation offload",
+        fix="remove 'fused_group_mlp' from offload_modules or set fine_grained_activation_offloading=False",
+        why="that path force-releases the expert input storage, which is the persistent dispatch slot",
+        test=lambda c: not _offloads(c, "fused_group_mlp"),
+    ),
+    Requirement(
+        key="no_expert_input_offload",
+        buffers=frozenset({"dispatch"}),
+        paths=PATHS,
+        policies=RING,
+        text="no fine-grained expert_fc1 activation offload",
+        fix="remove 'expert_fc1' from offload_modules or set fine_grained_activation_offloading=False",
+        why="TEGroupedMLP copies the FC1 input (the dispatch slot) to host on a side stream under its own "
+        "saved-tensor hooks and sets save_original_input: a read the ring's saved-reference tracking cannot see",
+        test=lambda c: not _offloads(c, "expert_fc1"),
+    ),
+    Requirement(
+        key="no_delayed_wgrad",
+        buffers=frozenset({"dispatch"}),
+        paths=PATHS,
+        policies=RING,
+        text="expert weight gradients computed inside backward (no delayed wgrad)",
+        fix="set delay_wgrad_compute=False and overlap_dispatch_backward_with_experts_wgrad=False",
+        why="backward_dw() reads the FC1 input (the dispatch slot, bf16) from TE's wgrad store after autograd "
+        "freed its saved reference; bufreuse holds no slot across backward_dw, so the next acquisition could "
+        "overwrite it first (silently wrong weight gradients)",
+        test=lambda c: not _delayed_wgrad(c),
+    ),
+)
+"""Rows ``install()`` itself enforces per layer (a hook cannot be made right under them); also in the matrix."""
+
+
+def install_refusals(cfg: Any, knobs: BufReuseConfig, path: str) -> list[str]:
+    """The :data:`INSTALL_ROWS` unmet by ``cfg`` for the enabled buffers, each naming the field to change."""
+    ctx = CheckContext(cfg=cfg, knobs=knobs, path=path, tokens=None, features=None)  # type: ignore[arg-type]
+    out = []
+    for buffer, policy in knobs.enabled().items():
+        for row in INSTALL_ROWS:
+            if buffer in row.buffers and policy in row.policies and path in row.paths and not row.test(ctx):
+                out.append(f"[{buffer}/{policy}] {row.key}: needs {row.text} -> {row.fix} ({row.why})")
+    return out
+
+
+def tracked(pool: BufferPool, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside ``pool.track_saved()``: what it saves for backward from ring storage is counted.
+
+    Every hooked stage between a slot's acquisition and its release runs so; the releases
+    (``Held.release``) then wait for exactly those saved references.
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with pool.track_saved():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @dataclass(slots=True)
 class Held:
-    """One acquisition and where it is released."""
+    """One acquisition and where it is released: at its last reader, by fact.
+
+    ``release()`` is called after the forward's final reader; the pool releases at once when no
+    autograd-saved reference (counted inside ``pool.track_saved()``) and no ``Hold`` is left, else
+    when the last of them is gone (``pool.release_when_unsaved``).
+    """
 
     pool: BufferPool
     name: str
     tensor: torch.Tensor
-    release_in_backward: bool = False
     released: bool = False
+    deferred: bool = False
+    """Whether the release waited for a saved reference or a hold (what the planner's rule must predict)."""
 
-    def release(self) -> None:
-        """Release on the current stream once (the final reader has been enqueued)."""
+    def release(self, stream: Any = None) -> None:
+        """The forward's final reader is enqueued on ``stream`` (default: current); release once, by fact."""
         if not self.released:
             self.released = True
-            self.pool.release(self.name, self.tensor)
+            self.deferred = not self.pool.release_when_unsaved(self.name, self.tensor, stream)
 
 
 def aliases(a: Any, b: torch.Tensor) -> bool:
@@ -203,6 +289,15 @@ class Installation:
     """Tokens per rank per microbatch entering a MoE layer (sizes the static bounds)."""
     layers: int = 0
     _undo: list[Callable[[], None]] = field(default_factory=list)
+    _owners: dict[tuple[int, str], str] = field(default_factory=dict)
+
+    def claim(self, layer: Any, buffer: str, adapter: str) -> None:
+        """Record that ``adapter`` hooks ``buffer`` of ``layer`` (``install`` decides, adapters ask)."""
+        self._owners[(id(layer), buffer)] = adapter
+
+    def hooks(self, adapter: str, layer: Any, buffer: str) -> bool:
+        """Whether ``buffer`` is enabled and ``adapter`` hooks it on ``layer``."""
+        return buffer in self.knobs.enabled() and self._owners.get((id(layer), buffer)) == adapter
 
     def activate(self) -> None:
         """Count this installation as alive (shared patches stay while it is)."""

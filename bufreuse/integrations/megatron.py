@@ -29,6 +29,7 @@ from bufreuse.integrations.core import (
     Installation,
     PathAdapter,
     active_installations,
+    install_refusals,
     shared_patch,
     shared_patches_applied,
 )
@@ -72,7 +73,7 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
     if any(_MARK in vars(m) for m in layers):
         raise ConfigError("bufreuse hooks are already installed on these MoE layers; uninstall() them first")
-    plans = [(layer, _adapters_for(layer)) for layer in layers]
+    plans = [(layer, _adapters_for(layer, inst)) for layer in layers]
     bad = [type(layer.token_dispatcher).__name__ for layer, chosen in plans if not any(a.dispatcher for a in chosen)]
     if bad:
         raise ConfigError(
@@ -83,7 +84,9 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     inst.activate()
     try:
         for layer, chosen in plans:
-            problems = [p for a in chosen for p in a.check(inst, layer)]
+            path = next(a.path for a in chosen if a.dispatcher)
+            problems = install_refusals(layer.config, knobs, path)
+            problems += [p for a in chosen for p in a.check(inst, layer)]
             if problems:
                 label = next(a.label for a in chosen if a.dispatcher)
                 raise ConfigError(f"cannot hook the {label} MoE layer: " + "; ".join(problems))
@@ -111,14 +114,17 @@ def installed(
         inst.uninstall()
 
 
-def _adapters_for(layer: Any) -> list[PathAdapter]:
-    """The adapters hooking ``layer``: each supporting one, unless an earlier one took its buffers."""
+def _adapters_for(layer: Any, inst: Installation) -> list[PathAdapter]:
+    """The adapters hooking ``layer``: each supporting one takes the buffers no earlier one took (claimed)."""
     chosen: list[PathAdapter] = []
     taken: set[str] = set()
     for a in ADAPTERS:
-        if not (a.buffers & taken) and a.supports(layer):
+        mine = a.buffers - taken
+        if mine and a.supports(layer):
             chosen.append(a)
-            taken |= a.buffers
+            taken |= mine
+            for buffer in mine:
+                inst.claim(layer, buffer, a.name)
     return chosen
 
 

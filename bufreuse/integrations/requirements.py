@@ -22,21 +22,16 @@ from bufreuse.integrations.adapters import ADAPTERS, adapter
 from bufreuse.integrations.core import (
     ALL_POLICIES,
     BOTH,
+    INSTALL_ROWS,
     PATHS,
     RING,
     CheckContext,
     Requirement,
-    cfg_get,
     cfg_has,
 )
 from bufreuse.integrations.features import Features, detect_features
 
 __all__ = ["REQUIREMENTS", "CheckItem", "CheckReport", "Requirement", "check", "dispatch_path", "validate"]
-
-
-def _no_fused_group_mlp_offload(c: CheckContext) -> bool:
-    mods = cfg_get(c.cfg, "offload_modules", None) or []
-    return not (cfg_get(c.cfg, "fine_grained_activation_offloading", False) and "fused_group_mlp" in mods)
 
 
 _FIRST = (
@@ -52,16 +47,7 @@ _FIRST = (
     ),
 )
 _SHARED = (
-    Requirement(
-        key="no_fused_group_mlp_offload",
-        buffers=frozenset({"dispatch"}),
-        paths=PATHS,
-        policies=RING,
-        text="no fine-grained fused_group_mlp activation offload",
-        fix="remove 'fused_group_mlp' from offload_modules or set fine_grained_activation_offloading=False",
-        why="that path force-releases the expert input storage, which is the persistent dispatch slot",
-        test=_no_fused_group_mlp_offload,
-    ),
+    *INSTALL_ROWS,
     Requirement(
         key="tokens_known",
         buffers=BOTH,
@@ -201,6 +187,8 @@ def check(
                 note = f"cannot be met on this megatron-core: field(s) {', '.join(missing)} do not exist (needs 0.19+)"
             if req.key == "deepep_output_token" or req.key == "te_grouped_output":
                 note = feats.deepep_detail if req.key == "deepep_output_token" else feats.te_detail
+            elif req.key == "expert_output_writer" and not ok:
+                note = feats.te_detail
             report.items.append(
                 CheckItem(
                     key=req.key, buffer=buffer, policy=policy, ok=ok, text=req.text, why=req.why, fix=req.fix, note=note

@@ -15,6 +15,8 @@ import types
 import torch
 
 UPSTREAM_MODULE_FORWARD = "(self, inp, m_splits, is_first_microbatch=None)"
+TE_2_20_MODULE_FORWARD = "(self, inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None)"
+"""``transformer_engine.pytorch.GroupedLinear.forward`` in TE 2.20.2 (annotations dropped)."""
 ops_grouped_linear = types.SimpleNamespace(OUTPUT_BUFFER_KEY="output_buffer", GRAD_INPUT_BUFFER_KEY="grad_input_buffer")
 ops_without_key = types.SimpleNamespace()
 
@@ -39,7 +41,7 @@ class GroupedLinear(torch.nn.Module):
         self.out_features = out_features
         self.weights = [torch.randn(out_features, in_features) for _ in range(num_gemms)]
 
-    def forward(self, inp, m_splits, is_first_microbatch=None, out=None):
+    def forward(self, inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None):
         if out is not None:
             _check_buffer(out, (inp.shape[0], self.out_features))
         return _grouped(inp, m_splits, self.weights, out)
@@ -128,3 +130,67 @@ class TrainableFusedGroupedMLP:
             return y
         _check_buffer(buf, tuple(y.shape))
         return _IntoBuffer.apply(y, buf)
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    """TE's ``_GroupedLinear`` in miniature: writes into ``out`` when given; saves the input, or its
+    quantized copy (FP8), through ``ctx.save_for_backward`` as TE does."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, splits, out, quantized):  # type: ignore[override]
+        rows = sum(splits)
+        if out is not None:
+            _check_buffer(out, (rows, weight.shape[1]))
+        y = out if out is not None else inp.new_empty((rows, weight.shape[1]))
+        with torch.no_grad():
+            torch.cat([x @ w.t() for x, w in zip(torch.split(inp, splits), weight, strict=True)], out=y)
+        ctx.save_for_backward(inp.clone() if quantized else inp, weight)
+        ctx.splits = splits
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        inp, weight = ctx.saved_tensors
+        xs, gs = torch.split(inp, ctx.splits), torch.split(grad, ctx.splits)
+        dx = torch.cat([g @ w for g, w in zip(gs, weight, strict=True)])
+        dw = torch.stack([g.t() @ x for g, x in zip(gs, xs, strict=True)])
+        return dx, dw, None, None, None
+
+
+class TEGroupedLinearBase(torch.nn.Module):
+    """Trainable stand-in for ``transformer_engine.pytorch.GroupedLinear`` (2.20.2 forward signature).
+
+    ``quantized`` (class attribute): save a copy of the input like an FP8 GEMM saves its quantized
+    input, instead of the input itself (bf16).
+    """
+
+    quantized = False
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        g = torch.Generator().manual_seed(in_features * 31 + out_features)
+        self.weight = torch.nn.Parameter(torch.randn(num_gemms, out_features, in_features, generator=g) / in_features)
+        self.received_out: list[torch.Tensor | None] = []
+
+    def forward(self, inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None):
+        if dgrad_out is not None:
+            raise NotImplementedError("the fake takes no dgrad_out")
+        self.received_out.append(out)
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        return _GroupedLinearFn.apply(inp, self.weight, splits, out, self.quantized)
+
+
+class MegatronTEGroupedLinear(TEGroupedLinearBase):
+    """megatron's ``TEGroupedLinear``: ``forward(x, m_splits)`` calls ``super().forward(..., is_first_microbatch=)``."""
+
+    def __init__(self, num_gemms, in_features, out_features, *, config, init_method, bias, skip_bias_add,
+                 is_expert, tp_comm_buffer_name, pg_collection, name=None):  # fmt: skip
+        super().__init__(num_gemms, in_features, out_features)
+        self.use_bias = bool(bias)
+        self.is_first_microbatch = True
+
+    def forward(self, x, m_splits):  # type: ignore[override]
+        out = super().forward(x, m_splits, is_first_microbatch=self.is_first_microbatch)
+        self.is_first_microbatch = False
+        return out, None

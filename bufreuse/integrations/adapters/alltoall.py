@@ -1,25 +1,28 @@
-"""The NCCL all-to-all adapter: ``MoEAlltoAllTokenDispatcher`` layers, both buffers.
+"""The NCCL all-to-all adapter: ``MoEAlltoAllTokenDispatcher`` layers.
 
 Per ``MoELayer`` instance it overrides:
 
 - ``token_dispatch``: the tokens all-to-all writes into a ``dispatch_output`` slot;
-- ``dispatch_postprocess``: notes whether the experts read the slot directly;
-- ``routed_experts_compute``: releases the dispatch slot after its final forward reader, or defers
-  the release to backward when the expert GEMM saved it (bf16 input, one local expert, no TP);
-- ``experts.forward`` (``SequentialMLP``): FC2 outputs concatenated into an ``expert_fc2_output`` slot;
+- ``dispatch_postprocess``: releases the slot when the local-expert sort copied it;
+- ``routed_experts_compute``: otherwise releases it after the experts, its last forward reader;
+- ``experts.forward`` (``SequentialMLP``): FC2 outputs concatenated into an ``expert_fc2_output``
+  slot (a ``TEGroupedMLP``'s FC2 output is the TE adapter's);
 - ``combine_preprocess`` / ``token_combine`` / ``combine_postprocess``: release the FC2 slot after
-  the first stage whose output no longer aliases it (its final reader); when that is the unpermute,
-  which may save it for backward (``index_add_`` under deterministic algorithms), the release waits
-  for that backward.
+  the first stage whose output no longer aliases it (its last forward reader).
 
-The autograd Functions doing the writes live in :mod:`bufreuse.integrations.alltoall`.
+Every release is by fact: the hooked stages run inside ``pool.track_saved()``, and a release waits
+for the saved references they made to the slot (a bf16 expert GEMM's input with one local expert,
+``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
+deterministic algorithms), so it lands after the backward that reads them; nothing is decided from
+the configuration. The autograd Functions doing the writes live in :mod:`bufreuse.integrations.alltoall`.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bufreuse.config import static_bounds
@@ -36,21 +39,12 @@ from bufreuse.integrations.core import (
     Requirement,
     aliases,
     cfg_get,
+    tracked,
 )
 
 __all__ = ["ADAPTER", "AllToAllAdapter"]
 
 _ALLTOALL = frozenset({"alltoall"})
-
-
-def _no_moe_recompute(c: CheckContext) -> bool:
-    gran = cfg_get(c.cfg, "recompute_granularity", None)
-    mods = cfg_get(c.cfg, "recompute_modules", None) or []
-    return (
-        gran != "full"
-        and not (gran == "selective" and "moe" in mods)
-        and not cfg_get(c.cfg, "moe_layer_recompute", False)
-    )
 
 
 def _graphs_ok(c: CheckContext) -> bool:
@@ -74,14 +68,15 @@ ROWS: tuple[Requirement, ...] = (
         test=lambda c: not cfg_get(c.cfg, "moe_permute_fusion", False),
     ),
     Requirement(
-        key="sequential_mlp",
+        key="expert_output_writer",
         buffers=frozenset({"expert"}),
         paths=_ALLTOALL,
         policies=REUSE,
-        text="local SequentialMLP experts (moe_grouped_gemm=False)",
-        fix="set moe_grouped_gemm=False (the grouped MLP takes the buffer only through the TE adapter)",
-        why="on the NCCL path the FC2 output is written into the buffer by the SequentialMLP hook",
-        test=lambda c: not cfg_get(c.cfg, "moe_grouped_gemm", False),
+        text="experts that write FC2 into the buffer: SequentialMLP, or TE's grouped MLP with GroupedLinear(out=)",
+        fix="set moe_grouped_gemm=False, or install Transformer Engine with GroupedLinear.forward(out=) (>= 2.18)",
+        why="the SequentialMLP hook concatenates into the slot; TEGroupedMLP's FC2 (TE GroupedLinear) writes into it "
+        "through out=, which older TE lacks",
+        test=lambda c: not cfg_get(c.cfg, "moe_grouped_gemm", False) or c.features.te_grouped_output,
     ),
     Requirement(
         key="no_shared_expert_overlap",
@@ -93,16 +88,6 @@ ROWS: tuple[Requirement, ...] = (
         why="megatron-core moved the overlapped shared-expert FC1 between token_dispatch (0.19) and "
         "dispatch_postprocess (0.16); the dispatch hook does not replay either",
         test=lambda c: not cfg_get(c.cfg, "moe_shared_expert_overlap", False),
-    ),
-    Requirement(
-        key="no_moe_recompute",
-        buffers=BOTH,
-        paths=_ALLTOALL,
-        policies=RING,
-        text="no MoE-layer activation recompute",
-        fix="drop 'moe' from recompute_modules, set moe_layer_recompute=False and recompute_granularity!='full'",
-        why="recompute re-runs dispatch during backward and needs extra slots; not validated",
-        test=_no_moe_recompute,
     ),
     Requirement(
         key="no_cuda_graphs",
@@ -123,12 +108,15 @@ ROWS: tuple[Requirement, ...] = (
 @dataclass(slots=True)
 class _LayerState:
     dispatch: Held | None = None
-    dispatch_direct: bool = False
-    fc2: Held | None = None
+    fc2: deque[Held] = field(default_factory=deque)
 
 
 class AllToAllAdapter:
-    """Hooks both buffers of a ``MoEAlltoAllTokenDispatcher`` layer (the NCCL all-to-all path)."""
+    """Hooks the buffers of a ``MoEAlltoAllTokenDispatcher`` layer (the NCCL all-to-all path).
+
+    The dispatch output always; the expert FC2 output of ``SequentialMLP`` experts (a
+    ``TEGroupedMLP``'s belongs to the TE adapter, which claims it first).
+    """
 
     name = "alltoall"
     path = "alltoall"
@@ -152,17 +140,19 @@ class AllToAllAdapter:
 
         knobs = installation.knobs
         dtype = getattr(layer.config, "params_dtype", torch.float32)
-        for buf, bound in static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens).items():
-            installation.register(buf, bound, dtype)
+        mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]
+        bounds = static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens)
+        for buf in mine:
+            installation.register(buf, bounds[buf], dtype)
         state = _LayerState()
-        enabled = knobs.enabled()
-        if "dispatch" in enabled:
+        if "dispatch" in mine:
             _hook_dispatch(installation, layer, state)
-        if "expert" in enabled:
+        if "expert" in mine:
             _hook_expert(installation, layer, state)
 
 
 def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
+    """Write the dispatch all-to-all into a slot; release it after its last forward reader, by fact."""
     import torch
     from megatron.core.tensor_parallel import all_to_all
 
@@ -189,27 +179,47 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     def dispatch_postprocess(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
         result = orig_post(hidden, probs)
         held = state.dispatch
-        state.dispatch_direct = held is not None and aliases(result[0], held.tensor)
-        if held is not None and not state.dispatch_direct:
-            held.release()
+        if held is not None and not aliases(result[0], held.tensor):
             state.dispatch = None
+            held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
         return result
 
     def routed_experts_compute(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
         result = orig_compute(hidden, probs)
         held, state.dispatch = state.dispatch, None
-        if held is not None and not held.released:
-            saved = torch.is_grad_enabled() and held.tensor.requires_grad
-            quantized = bool(getattr(layer.config, "fp8", None) or getattr(layer.config, "fp4", None))
-            if saved and not quantized:
-                held.release_in_backward = True
-            else:
-                held.release()
+        if held is not None:
+            # The experts read it directly. Whatever they saved from it (a bf16 GEMM's input,
+            # probs * hidden under moe_apply_probs_on_input, TE's original input) was counted;
+            # an FP8 GEMM saves its quantized copy and the release happens now.
+            held.release()
         return result
 
     inst.override(disp, "token_dispatch", token_dispatch)
-    inst.override(disp, "dispatch_postprocess", dispatch_postprocess)
-    inst.override(layer, "routed_experts_compute", routed_experts_compute)
+    inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess))
+    inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute))
+
+
+def hook_fc2_release(inst: Installation, layer: Any, queue: deque[Held]) -> None:
+    """Release the front FC2 slot of ``queue`` after the first combine stage whose output no longer aliases it.
+
+    That stage is its last forward reader; the release still waits for anything a stage saved
+    from it (the unpermute's ``index_add_`` under deterministic algorithms saves its source).
+    Shared by the ``SequentialMLP`` hook here and the TE adapter's grouped-MLP hook.
+    """
+    disp, pool = layer.token_dispatcher, inst.pool
+
+    def _after(stage: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(stage)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = stage(*args, **kwargs)
+            if queue and not aliases(out, queue[0].tensor):
+                queue.popleft().release()
+            return out
+
+        return tracked(pool, wrapper)
+
+    for name in ("combine_preprocess", "token_combine", "combine_postprocess"):
+        inst.override(disp, name, _after(getattr(disp, name)))
 
 
 def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
@@ -219,11 +229,11 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
     from bufreuse.integrations._compat_megatron import pad_for_quantization
     from bufreuse.integrations.alltoall import CatIntoRing
 
-    experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
+    experts, pool = layer.experts, inst.pool
     if not isinstance(experts, SequentialMLP):
         raise ConfigError(
-            f"expert-output reuse on the NCCL path hooks SequentialMLP; found {type(experts).__name__} "
-            "(set moe_grouped_gemm=False, or use the TE adapter on a TE build)"
+            f"expert-output reuse on the NCCL path hooks SequentialMLP or TEGroupedMLP on Transformer Engine; found "
+            f"{type(experts).__name__} (set moe_grouped_gemm=False, or use TE's grouped MLP with GroupedLinear(out=))"
         )
 
     def forward(hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor, **kw: Any) -> Any:
@@ -247,29 +257,11 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
             parts.append(out)
         box: list[Held] = []
         output = CatIntoRing.apply(pool, EXPERT, box, *parts)
-        state.fc2 = box[0]
+        state.fc2.append(box[0])
         return output, None
 
-    def _after(stage: Callable[..., Any], may_save: bool) -> Callable[..., Any]:
-        @functools.wraps(stage)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            out = stage(*args, **kwargs)
-            held = state.fc2
-            if held is not None and not aliases(out, held.tensor):
-                state.fc2 = None
-                if may_save and torch.is_grad_enabled() and held.tensor.requires_grad:
-                    held.release_in_backward = True
-                else:
-                    held.release()
-            return out
-
-        return wrapper
-
-    inst.override(experts, "forward", forward)
-    # The sort/copy in combine_preprocess and the all-to-all save nothing; the unpermute in
-    # combine_postprocess may (index_add_ under deterministic algorithms saves its source).
-    for name, may_save in (("combine_preprocess", False), ("token_combine", False), ("combine_postprocess", True)):
-        inst.override(disp, name, _after(getattr(disp, name), may_save))
+    inst.override(experts, "forward", tracked(pool, forward))
+    hook_fc2_release(inst, layer, state.fc2)
 
 
 ADAPTER = AllToAllAdapter()

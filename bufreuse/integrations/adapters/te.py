@@ -1,12 +1,26 @@
 """The Transformer Engine adapter: the grouped MLP's FC2 output written into an ``expert_fc2_output`` slot.
 
-Serves the expert buffer of HybridEP layers (their experts are megatron-core's ``TEGroupedMLP``):
-``TEGroupedMLP.forward`` (per instance) acquires a slot with the exact output shape and passes a
-detached alias as ``output_buffer=`` (megatron routes it to TE as
-``op_kwargs[-1][OUTPUT_BUFFER_KEY]``). Released after ``token_combine``, HybridEP combine's
-forward being the last reader (its backward is a dispatch of the gradient); under EP overlap
-combine runs on the communication stream, so the release is recorded there. The TE-side helpers
-(aliasing, op kwargs, the feature checks) are :mod:`bufreuse.integrations.te`.
+Serves the expert buffer of layers whose experts are megatron-core's ``TEGroupedMLP``, by route:
+
+- **op fuser** (``_with_fused_impl``; TE fuses it on SM100, not on Hopper): ``TEGroupedMLP.forward``
+  (per instance) acquires a slot with the exact output shape and passes a detached alias as
+  ``output_buffer=`` (megatron routes it to TE as ``op_kwargs[-1][OUTPUT_BUFFER_KEY]``). HybridEP
+  layers need this route (``te_op_fuser`` row); all-to-all layers take it when the fuser is on.
+- **module** (the non-fused ``TEGroupedMLP`` of all-to-all layers, what Hopper runs): FC2 is TE's
+  ``GroupedLinear`` behind megatron's ``TEGroupedLinear.forward(x, m_splits)``, which calls
+  ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes no ``out=``. An instance
+  override of ``linear_fc2.forward`` acquires the slot and arms it; a class-level patch of the TE
+  class whose ``forward`` takes ``out=`` (found in the MRO by signature, installed while any hooked
+  layer lives, see :func:`bufreuse.integrations.te.patch_out_route`) hands the armed slot over as
+  ``out=``. Under FP8/FP4 without router-side padding, FC2 writes the padded rows and
+  ``Fp8Unpadding`` copies them out: the slot's last reader is then that copy inside the experts, and
+  combine reads a fresh allocation (the ring replaces TE's padded FC2 output, not the combine input).
+
+Releases are by fact: the hooked stages run in ``pool.track_saved()`` and ``Held.release`` waits for
+whatever they saved from the slot. HybridEP: after ``token_combine`` (combine's forward is the last
+reader; under EP overlap it runs on the communication stream, where the release is recorded).
+All-to-all: after the first combine stage whose output no longer aliases the slot, or right after
+the experts when their output is already a copy. FC1's ``dgrad_out=`` is not used (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -14,10 +28,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from bufreuse.config import static_bounds
+from bufreuse.config import _quant_alignment, static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.adapters.hybridep import is_hybridep_layer
-from bufreuse.integrations.core import EXPERT, REUSE, Held, Installation, Requirement, acquire_with_hint, cfg_get
+from bufreuse.integrations.core import (
+    EXPERT,
+    REUSE,
+    Held,
+    Installation,
+    Requirement,
+    acquire_with_hint,
+    aliases,
+    cfg_get,
+    tracked,
+)
 
 __all__ = ["ADAPTER", "TEGroupedAdapter"]
 
@@ -60,7 +84,7 @@ ROWS: tuple[Requirement, ...] = (
 
 
 class TEGroupedAdapter:
-    """Hooks the expert FC2 output of a HybridEP layer's ``TEGroupedMLP`` (TE op fuser)."""
+    """Hooks the expert FC2 output of a ``TEGroupedMLP`` (HybridEP: op fuser; all-to-all: op fuser or module)."""
 
     name = "te"
     path = "hybridep"
@@ -69,7 +93,7 @@ class TEGroupedAdapter:
     label = "HybridEP"
 
     def supports(self, layer: Any) -> bool:
-        return is_hybridep_layer(layer)
+        return is_hybridep_layer(layer) or _alltoall_te_layer(layer)
 
     def requirements(self) -> tuple[Requirement, ...]:
         return ROWS
@@ -77,35 +101,76 @@ class TEGroupedAdapter:
     def check(self, installation: Installation, layer: Any) -> list[str]:
         from megatron.core.transformer.moe import experts as experts_mod
 
-        from bufreuse.integrations.te import require_fused_output_buffer
+        from bufreuse.integrations._compat_megatron import te_fused_impl
+        from bufreuse.integrations.te import out_route_class, require_fused_output_buffer
 
-        if "expert" not in installation.knobs.enabled():
+        if not installation.hooks(self.name, layer, "expert"):
             return []
-        try:
-            require_fused_output_buffer(layer.experts, experts_mod)
-        except ConfigError as e:
-            return [str(e)]
+        experts, cfg = layer.experts, layer.config
+        if is_hybridep_layer(layer) or te_fused_impl(experts):
+            try:
+                require_fused_output_buffer(experts, experts_mod)
+            except ConfigError as e:
+                return [str(e)]
+            if not is_hybridep_layer(layer) and _pads_inside_experts(cfg):
+                return [
+                    "the op-fuser grouped MLP pads FP8/FP4 rows inside the experts on the all-to-all path, so its FC2 "
+                    "output is not the layer's: set moe_router_padding_for_quantization=True"
+                ]
+            return []
+        if out_route_class(type(experts.linear_fc2)) is None:
+            return [
+                f"expert-output reuse needs {type(experts.linear_fc2).__name__} to be a TE GroupedLinear "
+                "whose forward takes out= (TE >= 2.18)"
+            ]
         return []
 
     def hook(self, installation: Installation, layer: Any) -> None:
         import torch
 
-        if "expert" not in installation.knobs.enabled():
+        from bufreuse.integrations._compat_megatron import te_fused_impl
+
+        if not installation.hooks(self.name, layer, "expert"):
             return
-        bounds = static_bounds(layer.config, installation.knobs, path="hybridep", tokens=installation.tokens)
-        installation.register("expert", bounds["expert"], getattr(layer.config, "params_dtype", torch.float32))
-        _hook_expert(installation, layer)
+        cfg = layer.config
+        path = "hybridep" if is_hybridep_layer(layer) else "alltoall"
+        bound = static_bounds(cfg, installation.knobs, path=path, tokens=installation.tokens)["expert"]
+        fused = path == "hybridep" or te_fused_impl(layer.experts)
+        if not fused and _pads_inside_experts(cfg):
+            # FC2 writes the padded rows: each local expert's split rounds up to the quantization alignment.
+            align = 128 if getattr(cfg, "fp4", None) else _quant_alignment(cfg)
+            bound.rows += layer.experts.num_local_experts * (align - 1)
+        installation.register("expert", bound, getattr(cfg, "params_dtype", torch.float32))
+        if path == "hybridep":
+            _hook_fused_hybridep(installation, layer)
+        elif fused:
+            _hook_fused_alltoall(installation, layer)
+        else:
+            _hook_module_alltoall(installation, layer)
 
 
-def _hook_expert(inst: Installation, layer: Any) -> None:
+def _alltoall_te_layer(layer: Any) -> bool:
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    return isinstance(getattr(layer, "token_dispatcher", None), MoEAlltoAllTokenDispatcher) and isinstance(
+        getattr(layer, "experts", None), TEGroupedMLP
+    )
+
+
+def _pads_inside_experts(cfg: Any) -> bool:
+    """Whether ``TEGroupedMLP`` pads FP8/FP4 rows itself (megatron's ``skip_routed_expert_padding`` is False)."""
+    quantized = getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None)
+    return bool(quantized) and not getattr(cfg, "moe_router_padding_for_quantization", False)
+
+
+def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue: deque[Held]) -> Any:
+    """A ``TEGroupedMLP.forward`` that hands the op fuser a slot as ``output_buffer=``."""
     import torch
 
     from bufreuse.integrations.te import output_alias
 
-    experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
-    orig_forward, orig_combine = experts.forward, disp.token_combine
-    cols = int(getattr(layer.config, "moe_latent_size", None) or layer.config.hidden_size)
-    held: deque[Held] = deque()
+    pool, orig_forward = inst.pool, experts.forward
 
     def forward(
         hidden: torch.Tensor,
@@ -135,17 +200,87 @@ def _hook_expert(inst: Installation, layer: Any) -> None:
         except BaseException:
             pool.release(EXPERT, slot)
             raise
-        held.append(Held(pool=pool, name=EXPERT, tensor=slot))
+        queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
         return output, bias
 
-    def token_combine(hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+    return tracked(pool, forward)
+
+
+def _cols(layer: Any) -> int:
+    return int(getattr(layer.config, "moe_latent_size", None) or layer.config.hidden_size)
+
+
+def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
+    experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
+    orig_combine = disp.token_combine
+    held: deque[Held] = deque()
+
+    def token_combine(hidden_states: Any, async_finish: bool = True, allocate_on_comm_stream: bool = True) -> Any:
         out = orig_combine(hidden_states, async_finish, allocate_on_comm_stream)
         if held:
             held.popleft().release()  # combine's forward read it last, on the stream it ran on
         return out
 
-    inst.override(experts, "forward", forward)
-    inst.override(disp, "token_combine", token_combine)
+    inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
+    inst.override(disp, "token_combine", tracked(pool, token_combine))
+
+
+def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
+    from bufreuse.integrations.adapters.alltoall import hook_fc2_release
+
+    queue: deque[Held] = deque()
+    inst.override(layer.experts, "forward", _fused_forward_into_slot(inst, layer.experts, _cols(layer), queue))
+    hook_fc2_release(inst, layer, queue)
+
+
+def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
+    """``linear_fc2`` (TE ``GroupedLinear``) writes into a slot through ``out=``; see the module docstring."""
+    import torch
+
+    from bufreuse.integrations.adapters.alltoall import hook_fc2_release
+    from bufreuse.integrations.te import ARMED_OUT, arm_out, out_route_class, use_out_route
+
+    experts, pool = layer.experts, inst.pool
+    fc2 = experts.linear_fc2
+    use_out_route(inst, out_route_class(type(fc2)))
+    armed: list[torch.Tensor] = []
+    inst.override(fc2, ARMED_OUT, armed)
+    orig_fc2, orig_experts = fc2.forward, experts.forward
+    cols = int(fc2.out_features)
+    queue: deque[Held] = deque()
+
+    def fc2_forward(x: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        shape = (int(sum(splits)), cols)
+        slot = acquire_with_hint(pool, EXPERT, shape, x.dtype)
+        try:
+            arm_out(armed, slot, shape)
+            result = orig_fc2(x, m_splits, *args, **kwargs)
+            if armed:
+                raise BackendContractError(
+                    "Transformer Engine", "GroupedLinear.forward", "was not reached through the patched out= route"
+                )
+            y = result[0] if isinstance(result, tuple) else result
+            if y.data_ptr() != slot.data_ptr():
+                raise BackendContractError(
+                    "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
+                )
+        except BaseException:
+            armed.clear()
+            pool.release(EXPERT, slot)
+            raise
+        queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
+        return result
+
+    def experts_forward(*args: Any, **kwargs: Any) -> Any:
+        output, bias = orig_experts(*args, **kwargs)
+        if queue and not aliases(output, queue[-1].tensor):
+            queue.pop().release()  # the FP8 unpadding (or the bias add) copied it: its last reader ran here
+        return output, bias
+
+    inst.override(fc2, "forward", fc2_forward)
+    inst.override(experts, "forward", tracked(pool, experts_forward))
+    hook_fc2_release(inst, layer, queue)
 
 
 ADAPTER = TEGroupedAdapter()

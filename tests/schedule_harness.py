@@ -1,0 +1,170 @@
+"""Test helper: the schedule harness's table, orders, modes and bit-for-bit comparison (CPU and GPU halves).
+
+One table (:data:`ROWS`) of named tiny configurations. Each row is run twice over the same
+microbatches in the same order: the control (no hooks) and with rings installed, in production mode
+(``BufferPool(debug=False)``, no autograd guard, ``BUFREUSE_DEBUG`` unset) — and the modules also run
+debug mode on top. Outputs, input gradients and parameter gradients must be bit-equal; a row may
+instead expect a named refusal (``ConfigError`` from ``validate``/``install``) or an
+``EarlyReuseError`` naming the depth. :func:`compare` says which tensor differed, by how much, in
+which row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+ORDERS = {
+    # 1F1B steady state after a warm-up of two (issue 13's schedule): two microbatches in flight.
+    "1f1b": ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"),
+    # interleaved-VPP-like: three in flight.
+    "vpp": ("F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"),
+    # all forwards, then all backwards: four in flight.
+    "fwd_bwd": ("F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"),
+}
+"""Named microbatch orders (F<i>: forward of microbatch i, B<i>: its backward)."""
+
+MODES = ("production", "debug")
+
+
+def in_flight(order: str) -> int:
+    """The most microbatches whose forward ran and backward did not, over ``order``."""
+    live = peak = 0
+    for step in ORDERS[order]:
+        live += 1 if step[0] == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One named configuration of the harness."""
+
+    name: str
+    spec: str
+    """``local`` (SequentialMLP), ``te-fake`` (TEGroupedMLP over the fake TE GroupedLinear, CPU) or ``te`` (real TE)."""
+    experts: int
+    order: str
+    dtype: str = "float32"
+    fp8: str | None = None
+    """None; ``delayed`` / ``current`` (real TE recipes); ``copy`` (the CPU fake saves an input copy, as FP8 does)."""
+    recompute: bool = False
+    probs_on_input: bool = False
+    delayed_wgrad: str | None = None
+    """A config field that defers the expert wgrad (``delay_wgrad_compute``, ...): the row expects its refusal."""
+    slots: int | None = None
+    """Ring depth; default: the order's in-flight count."""
+    expect: str = "bit-equal"
+    """``bit-equal``, ``refused:<requirement key>`` or ``early-reuse:<min depth>``."""
+    tags: tuple[str, ...] = field(default=())
+
+    @property
+    def depth(self) -> int:
+        return self.slots if self.slots is not None else in_flight(self.order)
+
+
+def _rows() -> tuple[Row, ...]:
+    rows: list[Row] = []
+    for spec in ("local", "te-fake", "te"):
+        dtypes = ("bfloat16",) if spec == "te" else ("float32", "bfloat16")
+        for experts in (1, 8):
+            for order in ORDERS:
+                for dtype in dtypes:
+                    rows.append(Row(name=f"{spec}-e{experts}-{dtype}-{order}", spec=spec, experts=experts,
+                                    order=order, dtype=dtype))  # fmt: skip
+        recipes = {"local": (), "te-fake": ("copy",), "te": ("delayed", "current")}[spec]
+        for fp8 in recipes:
+            for experts in (1, 8):
+                rows.append(Row(name=f"{spec}-e{experts}-fp8{fp8}-vpp", spec=spec, experts=experts, order="vpp",
+                                dtype="bfloat16", fp8=fp8))  # fmt: skip
+        dt = "bfloat16"
+        rows += [
+            Row(name=f"{spec}-e1-recompute-vpp", spec=spec, experts=1, order="vpp", dtype=dt, recompute=True),
+            Row(name=f"{spec}-e8-recompute-1f1b", spec=spec, experts=8, order="1f1b", dtype=dt, recompute=True),
+            Row(name=f"{spec}-e1-probs-on-input-vpp", spec=spec, experts=1, order="vpp", dtype=dt,
+                probs_on_input=True),
+            Row(name=f"{spec}-e8-probs-on-input-1f1b", spec=spec, experts=8, order="1f1b", dtype=dt,
+                probs_on_input=True),
+            Row(name=f"{spec}-e1-shallow-fwd_bwd", spec=spec, experts=1, order="fwd_bwd", dtype=dt, slots=2,
+                expect="early-reuse:3"),
+        ]  # fmt: skip
+    rows += [
+        Row(name="local-e1-delay_wgrad_compute", spec="local", experts=1, order="1f1b", dtype="bfloat16",
+            delayed_wgrad="delay_wgrad_compute", expect="refused:no_delayed_wgrad"),
+        Row(name="te-e1-delay_wgrad_compute", spec="te", experts=1, order="1f1b", dtype="bfloat16",
+            delayed_wgrad="delay_wgrad_compute", expect="refused:no_delayed_wgrad"),
+        Row(name="te-e1-overlap_dispatch_backward_with_experts_wgrad", spec="te", experts=1, order="1f1b",
+            dtype="bfloat16", delayed_wgrad="overlap_dispatch_backward_with_experts_wgrad",
+            expect="refused:no_delayed_wgrad"),
+    ]  # fmt: skip
+    return tuple(rows)
+
+
+ROWS: tuple[Row, ...] = _rows()
+"""The harness table: CPU runs ``local`` and ``te-fake``; the GPU half runs ``local`` and ``te`` (real TE)."""
+
+
+def rows_for(*specs: str) -> list[Row]:
+    return [r for r in ROWS if r.spec in specs]
+
+
+@contextlib.contextmanager
+def mode_env(mode: str) -> Iterator[None]:
+    """``BUFREUSE_DEBUG`` unset in production mode, ``1`` in debug mode; restored after."""
+    old = os.environ.pop("BUFREUSE_DEBUG", None)
+    if mode == "debug":
+        os.environ["BUFREUSE_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("BUFREUSE_DEBUG", None)
+        if old is not None:
+            os.environ["BUFREUSE_DEBUG"] = old
+
+
+def guard(pool, mode: str):
+    """Production: nothing. Debug: the pool's autograd guard (strict saved-tensor checks) around the run."""
+    return pool.autograd_guard() if mode == "debug" else contextlib.nullcontext()
+
+
+def max_abs_diff(a, b) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def compare(row: str, mode: str, ref: tuple, got: tuple) -> list[str]:
+    """Every tensor of ``got`` that is not bit-equal to ``ref``, named, with its max abs difference.
+
+    ``ref`` / ``got``: (outputs, input grads, {param name: grad}).
+    """
+    import torch
+
+    problems = []
+    for kind, r, g in (("output", ref[0], got[0]), ("input grad", ref[1], got[1])):
+        for i, (a, b) in enumerate(zip(r, g, strict=True)):
+            if b is None or not torch.equal(a, b):
+                d = "missing" if b is None else f"max abs diff {max_abs_diff(a, b):.3e}"
+                problems.append(f"[{row}/{mode}] {kind} of microbatch {i}: {d}")
+    if set(ref[2]) != set(got[2]):
+        problems.append(f"[{row}/{mode}] parameter grads differ in names: {sorted(set(ref[2]) ^ set(got[2]))}")
+    for n in sorted(set(ref[2]) & set(got[2])):
+        if not torch.equal(ref[2][n], got[2][n]):
+            problems.append(f"[{row}/{mode}] param grad {n}: max abs diff {max_abs_diff(ref[2][n], got[2][n]):.3e}")
+    return problems
+
+
+def write_summary(section: str, data: object) -> None:
+    """Merge ``{section: data}`` into ``$OUT/megatron-gpu-summary.json`` (no-op without ``$OUT``)."""
+    import json
+    from pathlib import Path
+
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    path = Path(out, "megatron-gpu-summary.json")
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    summary[section] = data
+    path.write_text(json.dumps(summary, indent=1, default=str))

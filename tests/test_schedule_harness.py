@@ -1,0 +1,174 @@
+"""The schedule harness, CPU half: every ``local`` and ``te-fake`` row of ``schedule_harness.ROWS``.
+
+Real megatron-core 0.19.2 ``MoELayer`` (all-to-all dispatcher, gloo world of one, pad-to-capacity so
+no device-to-host sync), driven through its own stage methods with a fixed routing (the router moves
+its weight to CUDA). ``local``: ``SequentialMLP``. ``te-fake``: megatron's real ``TEGroupedMLP``
+(non-fused forward) over ``tests/fakes/te_grouped_linear.py``'s TE ``GroupedLinear`` stand-in, so the
+expert ring goes through the ``out=`` route. Recompute wraps the layer's stages in a reentrant
+checkpoint (``torch.utils.checkpoint``, the mechanism of megatron's ``tensor_parallel.checkpoint``,
+which needs CUDA). Each row: control vs rings, production mode and debug mode, bit for bit.
+The real-TE and FP8 rows are in ``tests/test_schedule_harness_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from megatron_cpu import single_process_model_parallel  # noqa: E402
+from schedule_harness import MODES, ORDERS, Row, compare, guard, mode_env, rows_for  # noqa: E402
+
+from bufreuse.config import BufReuseConfig  # noqa: E402
+from bufreuse.errors import ConfigError  # noqa: E402
+from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.integrations.requirements import validate  # noqa: E402
+from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
+
+HIDDEN, SEQ, MBS = 32, 8, 2
+TOKENS = SEQ * MBS
+CPU_ROWS = rows_for("local", "te-fake")
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    with single_process_model_parallel():
+        old = D.cuda_dtoh_stream
+        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+        yield
+        D.cuda_dtoh_stream = old
+
+
+def build_layer(row: Row):
+    """The row's MoE layer on CPU (weights in the row's dtype)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, row.dtype)
+    topk = 1 if row.probs_on_input else min(2, row.experts)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=row.experts,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=topk == 1,
+        moe_token_dispatcher_type="alltoall",
+        moe_apply_probs_on_input=row.probs_on_input,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+    )
+    layer = get_gpt_layer_local_spec(num_experts=row.experts, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    if row.spec == "te-fake":
+        from fakes import te_grouped_linear as te
+
+        linear = te.MegatronTEGroupedLinear
+        if row.fp8 == "copy":
+            linear = type("QuantizingTEGroupedLinear", (linear,), {"quantized": True})
+        subs = GroupedMLPSubmodules(linear_fc1=linear, linear_fc2=linear)
+        layer.experts = TEGroupedMLP(
+            row.experts, cfg, subs, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+        )
+        cfg.moe_grouped_gemm = True
+    if row.delayed_wgrad:
+        setattr(cfg, row.delayed_wgrad, True)  # megatron refuses it at construction without EP overlap / TE
+    return layer.to(dtype)
+
+
+def _forward(layer, x, i: int):
+    cfg = layer.config
+    g = torch.Generator().manual_seed(1000 + i)
+    scores = torch.softmax(torch.randn(x.shape[0] * x.shape[1], cfg.num_moe_experts, generator=g), -1)
+    top = scores.topk(cfg.moe_router_topk)
+    routing = torch.zeros(top.values.shape[0], cfg.num_moe_experts, dtype=torch.bool).scatter(1, top.indices, True)
+    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values)
+
+    def stages(x):
+        h, p = layer.preprocess(x, probs, routing)
+        d, p = layer.dispatch(h, p)
+        out, _ = layer.routed_experts_compute(d, p)
+        return layer.postprocess(layer.combine(out), None)
+
+    if cfg.recompute_granularity == "selective" and "moe" in (cfg.recompute_modules or []):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(stages, x, use_reentrant=True)
+    return stages(x)
+
+
+def run_order(layer, xs: list, order: str) -> tuple[list, list, dict]:
+    """Run ``order`` over ``xs``; outputs, input grads, parameter grads."""
+    layer.zero_grad(set_to_none=True)
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    outs: dict[int, torch.Tensor] = {}
+    for step in ORDERS[order]:
+        i = int(step[1:])
+        if step[0] == "F":
+            outs[i] = _forward(layer, leaves[i], i)
+        else:
+            g = torch.Generator().manual_seed(2000 + i)
+            outs[i].backward(torch.randn(outs[i].shape, generator=g).to(outs[i].dtype))
+    params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return [outs[i].detach() for i in sorted(outs)], [x.grad for x in leaves], params
+
+
+def knobs_for(row: Row) -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers=row.depth,
+        moe_hybridep_num_expert_output_buffers=row.depth,
+    )
+
+
+def _inputs(row: Row, n: int = 4) -> list:
+    dtype = getattr(torch, row.dtype)
+    return [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)).to(dtype) for i in range(n)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("row", CPU_ROWS, ids=lambda r: r.name)
+def test_schedule_row_matches_control_or_is_refused_by_name(parallel, row: Row, mode: str) -> None:
+    layer = build_layer(row)
+    if row.recompute:
+        layer.config.recompute_granularity, layer.config.recompute_modules = "selective", ["moe"]
+    knobs, xs = knobs_for(row), _inputs(row)
+    if row.expect.startswith("refused:"):
+        key = row.expect.split(":", 1)[1]
+        with pytest.raises(ConfigError, match=key) as e:
+            validate(layer.config, knobs, seq_length=SEQ, micro_batch_size=MBS)
+        assert row.delayed_wgrad in str(e.value)
+        with pytest.raises(ConfigError, match=row.delayed_wgrad):
+            install(layer, BufferPool("cpu"), knobs, tokens=TOKENS)
+        assert "token_dispatch" not in vars(layer.token_dispatcher)  # nothing stayed replaced
+        return
+    ref = run_order(layer, xs, row.order)
+    with mode_env(mode):
+        pool = BufferPool("cpu")
+        assert pool.debug is (mode == "debug")
+        with install(layer, pool, knobs, tokens=TOKENS), guard(pool, mode):
+            if row.expect.startswith("early-reuse:"):
+                depth = row.expect.split(":", 1)[1]
+                with pytest.raises(EarlyReuseError, match=f"to at least {depth}"):
+                    run_order(layer, xs, row.order)
+                pool.reset()
+                return
+            got = run_order(layer, xs, row.order)
+    problems = compare(row.name, mode, ref, got)
+    assert not problems, "\n".join(problems)
+    stats = pool.stats()
+    assert set(stats) == {"dispatch_output", "expert_fc2_output"}
+    for name, s in stats.items():
+        mult = 2 if row.recompute else 1  # a recomputed forward acquires again in backward
+        assert s.acquisitions == s.releases == mult * len(xs), (row.name, name, s)
+        assert s.peak_held <= row.depth, (row.name, name, s)
