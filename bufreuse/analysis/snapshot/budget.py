@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
-from bufreuse.errors import InputError
+from bufreuse.errors import InputError, SnapshotFormatError
 
 __all__ = ["BUDGET_FLAGS", "GZIP_EXPANSION", "BudgetExceededError", "SnapshotBudget", "memory_limit"]
 
@@ -40,7 +40,7 @@ BUDGET_FLAGS: dict[str, str] = {
 """Budget field -> the CLI flag that raises it (``snapshot-report``)."""
 
 
-class BudgetExceededError(InputError):
+class BudgetExceededError(SnapshotFormatError):
     """An input needs more than a budget allows; the message names the budget, the figure and the flag.
 
     Pickles across processes (the batch's workers send it back), so its fields are rebuilt from args.
