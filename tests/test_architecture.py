@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("bufreuse.pool", "pool"),
     ("bufreuse.plan", "foundation"),
     ("bufreuse.errors", "foundation"),
+    ("bufreuse.limits", "foundation"),
     ("bufreuse.fsutil", "foundation"),
     ("bufreuse.config", "foundation"),
     ("bufreuse.sweepdir", "foundation"),
