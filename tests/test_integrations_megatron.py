@@ -25,6 +25,7 @@ from bufreuse.integrations._compat_megatron import skip_ring_forced_release  # n
 from bufreuse.integrations.alltoall import RingAllToAll  # noqa: E402
 from bufreuse.integrations.core import Held, acquire_with_hint  # noqa: E402
 from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.plan.rules import ReleasePoint  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError, StaticShapeError  # noqa: E402
 
 HIDDEN, SEQ, MBS = 32, 8, 2
@@ -110,7 +111,7 @@ def test_install_matches_control_interleaved(parallel, num_experts: int, mode: s
     layer.zero_grad(set_to_none=True)
     with mode_env(mode):
         pool = BufferPool("cpu")
-        with install(layer, pool, _knobs(), tokens=TOKENS), guard(pool, mode):
+        with install(layer, pool, _knobs(), tokens=TOKENS) as inst, guard(pool, mode):
             out, grad = _interleaved(layer, xs)
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ref_grad, grad, strict=True))
@@ -124,6 +125,10 @@ def test_install_matches_control_interleaved(parallel, num_experts: int, mode: s
     assert stats["dispatch_output"].peak_held == 2 and stats["dispatch_output"].deferred_releases == 3
     # the unpermute saves nothing from the FC2 slot here (not deterministic): released in forward.
     assert stats["expert_fc2_output"].peak_held == 1 and stats["expert_fc2_output"].deferred_releases == 0
+    # ... which is where the planner's rules put them (pad-to-capacity at EP = 1: the sort is a view).
+    points = {name: rule.point for name, rule in inst.expected_release.items()}
+    assert points == {"dispatch_output": ReleasePoint.BACKWARD, "expert_fc2_output": ReleasePoint.FORWARD}
+    assert inst.release_check() == []
 
 
 @pytest.mark.parametrize("policy", ["stream-ordered", "record-stream"])
@@ -240,13 +245,45 @@ def test_deterministic_unpermute_defers_fc2_release_by_fact(parallel) -> None:
     try:
         ref_out, ref_grad = _interleaved(layer, xs)
         pool = BufferPool("cpu")
-        with install(layer, pool, _knobs(), tokens=TOKENS):  # production mode: no guard
+        with install(layer, pool, _knobs(), tokens=TOKENS) as inst:  # production mode: no guard
             out, grad = _interleaved(layer, xs)
     finally:
         torch.use_deterministic_algorithms(was)
     assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
     stats = pool.stats()["expert_fc2_output"]
     assert stats.peak_held == 2 and stats.deferred_releases == 3  # index_add_ saved it: by fact, not by config
+    # The rule (deterministic_mode, read as torch's deterministic flag) says the same: after backward.
+    rule = inst.expected_release["expert_fc2_output"]
+    assert rule.point is ReleasePoint.BACKWARD and "deterministic_mode" in rule.fields
+    assert inst.release_check() == []
+
+
+def test_release_rule_disagreement_is_reported_loudly_in_debug_mode(parallel, caplog) -> None:
+    """A rule the observed release contradicts: release_check names it, debug uninstall warns with the counts."""
+    import logging
+
+    from bufreuse.integrations.core import ReleaseRuleWarning
+
+    layer = _layer(1)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # the unpermute saves the FC2 slot ...
+    try:
+        inst = install(layer, BufferPool("cpu", debug=True), _knobs(), tokens=TOKENS)
+        inst.expected_release.clear()
+        inst.expect(layer, "alltoall", {**vars(layer.config), "deterministic_mode": False})  # ... a rule says not
+        _interleaved(layer, xs)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    (bad,) = inst.release_check()
+    assert (bad.ring, bad.rule.point, bad.acquisitions, bad.deferred, bad.expected_deferred) == (
+        "expert_fc2_output", ReleasePoint.FORWARD, 3, 3, 0,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="bufreuse.integrations"), pytest.warns(ReleaseRuleWarning) as w:
+        inst.uninstall()
+    text = str(w[0].message)
+    assert "'expert_fc2_output'" in text and "at forward" in text and "3 of 3" in text and "predicts 0" in text
+    assert "expert_fc2_output" in caplog.text
 
 
 def test_dtype_mismatch_is_refused_not_cast() -> None:
