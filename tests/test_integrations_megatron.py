@@ -292,3 +292,81 @@ def test_dtype_mismatch_is_refused_not_cast() -> None:
     with pytest.raises(StaticShapeError, match="params_dtype"):
         acquire_with_hint(pool, "dispatch_output", (8, 4), torch.float32)
     assert pool.stats()["dispatch_output"].releases == 1  # nothing left held
+
+
+# --- num_slots='auto' through install(): the planner's first depth, the user's cap -------------------
+
+AUTO_TOKENS = 8192  # a 1 MiB slot (8192 rows x 32 x fp32), so the MiB cap counts slots
+
+
+def _auto_knobs(cap_mib: int = 0) -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers="auto",
+        moe_hybridep_num_expert_output_buffers="auto",
+        moe_bufreuse_auto_max_mib=cap_mib,
+    )
+
+
+def test_auto_ring_starts_at_the_planners_figure(parallel) -> None:
+    from bufreuse.integrations.core import ConfigView
+    from bufreuse.plan import initial_slots
+
+    layer = _layer(1)
+    layer.config.num_layers, layer.config.pipeline_model_parallel_size = 8, 4  # what the planner reads
+    planned = initial_slots(ConfigView(layer.config), "dispatch", num_microbatches=8, pp_rank=0)
+    assert planned == 8  # 1F1B rank 0 of 4, bf16/fp32 experts save the slot: 2 layers x 4 in flight
+    pool = BufferPool("cpu")
+    with install(layer, pool, _auto_knobs(), tokens=TOKENS, num_microbatches=8, pp_rank=0) as inst:
+        assert inst.auto_start == {"dispatch_output": 8, "expert_fc2_output": 1}
+        ring = pool.get("dispatch_output")
+        assert ring.num_slots == 8 and pool.stats()["dispatch_output"].settled_slots == 8
+        assert ring.max_bytes is not None  # no cap (0): the pool still gets one, and grows without bound
+    default = BufferPool("cpu")
+    with install(_layer(1), default, _auto_knobs(), tokens=TOKENS) as inst:  # no schedule: the pool default
+        assert inst.auto_start == {"dispatch_output": 2, "expert_fc2_output": 2}
+
+
+def test_auto_ring_grows_within_the_cap_and_logs_the_settled_depth(parallel, caplog) -> None:
+    import logging
+
+    layer = _layer(1)  # one layer, no pipelining: the plan says 1 slot; the interleaved order needs 2
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref_out, ref_grad = _interleaved(layer, xs)
+    pool = BufferPool("cpu")
+    knobs = _auto_knobs(cap_mib=3)
+    with (
+        caplog.at_level(logging.INFO, logger="bufreuse"),
+        install(layer, pool, knobs, tokens=AUTO_TOKENS, num_microbatches=3) as inst,
+    ):
+        assert inst.auto_start["dispatch_output"] == 1
+        out, grad = _interleaved(layer, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
+    s = pool.stats()["dispatch_output"]
+    assert (s.grown, s.settled_slots) == (1, 2) and pool.persistent_bytes() <= 2 * 3 * 2**20
+    settled = [r.getMessage() for r in caplog.records if "settled at" in r.getMessage()]
+    assert sum("'dispatch_output'" in m and "settled at 2 slots" in m for m in settled) == 1, settled
+
+
+def test_auto_ring_cap_is_honoured(parallel, caplog) -> None:
+    import logging
+
+    layer = _layer(1)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    pool = BufferPool("cpu")
+    with caplog.at_level(logging.WARNING, logger="bufreuse.integrations"):
+        inst = install(layer, pool, _auto_knobs(cap_mib=1), tokens=AUTO_TOKENS)  # 1 MiB: one slot
+    assert "holds 1 slot(s), below the default depth 2" in caplog.text
+    assert pool.get("dispatch_output").num_slots == 1 and pool.get("dispatch_output").max_bytes == 2**20
+    with pytest.raises(EarlyReuseError, match=r"max_bytes=1048576.*moe_bufreuse_auto_max_mib.*at least 2 slots"):
+        _interleaved(layer, xs)  # the second microbatch's dispatch while the first is saved for backward
+    pool.reset()
+    inst.uninstall()
+    assert pool.stats()["dispatch_output"].grown == 0
+
+
+def test_auto_ring_cap_below_one_slot_is_refused_by_name(parallel) -> None:
+    layer = _layer(1)
+    with pytest.raises(ConfigError, match=r"moe_bufreuse_auto_max_mib=1 holds no 'dispatch_output' slot.*>= 2"):
+        install(layer, BufferPool("cpu"), _auto_knobs(cap_mib=1), tokens=2 * AUTO_TOKENS)
+    assert "token_dispatch" not in vars(layer.token_dispatcher)  # nothing stayed replaced

@@ -305,7 +305,8 @@ def acquire_with_hint(
     """``pool.acquire`` whose early-reuse error names the knob to raise; refuses a dtype mismatch.
 
     Raises:
-        EarlyReuseError: the ring is too shallow; the message names the knob and the minimum depth.
+        EarlyReuseError: the ring is too shallow; the message names the knob (for an ``auto`` ring, also
+            ``moe_bufreuse_auto_max_mib``) and the minimum depth.
         StaticShapeError: ``dtype`` is not the registered one (a copy would cast silently); nothing
             stays acquired.
     """
@@ -315,8 +316,14 @@ def acquire_with_hint(
         tensor = pool.acquire(name, shape)
     except EarlyReuseError as e:
         knob = KNOBS.get(name, "the slot count")
+        hint = f"raise {knob} to at least {e.min_depth}"
+        if getattr(pool.get(name), "max_bytes", None) is not None:  # num_slots='auto': the cap or the settling
+            hint = (
+                f"raise moe_bufreuse_auto_max_mib (the 'auto' ring's cap) to hold at least {e.min_depth} slots, "
+                f"or set {knob} to at least {e.min_depth}"
+            )
         raise EarlyReuseError(
-            f"{e} -> raise {knob} to at least {e.min_depth}",
+            f"{e} -> {hint}",
             ring=e.ring,
             slot=e.slot,
             generation=e.generation,
