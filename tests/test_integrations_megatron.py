@@ -131,6 +131,18 @@ def test_install_matches_control_interleaved(parallel, num_experts: int, mode: s
     assert inst.release_check() == []
 
 
+def test_install_logs_each_rings_release_rule_once_at_debug(parallel, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="bufreuse.integrations"):
+        inst = install(_layer(1), BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    lines = [r.getMessage() for r in caplog.records if "expected release" in r.getMessage()]
+    inst.uninstall()
+    assert len(lines) == 2 and all(r.levelno == logging.DEBUG for r in caplog.records if "expected" in r.getMessage())
+    assert "'dispatch_output' expected release at backward" in lines[0] and "fp8" in lines[0]
+    assert "'expert_fc2_output' expected release at forward" in lines[1]
+
+
 @pytest.mark.parametrize("policy", ["stream-ordered", "record-stream"])
 def test_install_allocator_policies_match_control(parallel, policy: str) -> None:
     layer = _layer(8)
