@@ -48,6 +48,18 @@ def test_entry_registers_knobs_validates_and_installs() -> None:
     assert seen["knobs"]["moe_bufreuse_expert_policy"] == "stream-ordered"
 
 
+@pytest.mark.parametrize(("batch", "start"), [([], "dispatch_output=2 (no plan)"), (
+    ["--global-batch-size", "16"], "dispatch_output=1 (planned for 8 microbatch(es), PP rank 0)")])  # fmt: skip
+def test_entry_auto_ring_starts_at_the_plan_when_the_schedule_is_known(batch: list[str], start: str) -> None:
+    auto = ["--moe-hybridep-reuse-dispatch-output-buffers", "--moe-hybridep-num-dispatch-output-buffers", "auto",
+            "--moe-hybridep-num-expert-output-buffers", "0", "--moe-bufreuse-auto-max-mib", "64"]  # fmt: skip
+    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *batch, *auto])
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+    assert f"num_slots='auto' starts at {start}, cap 64 MiB" in line, line
+    assert _seen(res.stdout)["hooked"]
+
+
 def test_entry_checkout_from_environment_and_knobs_off() -> None:
     res = _run(["--seq-length", "64", "--micro-batch-size", "2"], {"MEGATRON_LM_PATH": str(FAKE)})
     assert res.returncode == 0, res.stderr

@@ -25,6 +25,7 @@ from bufreuse.integrations._compat_megatron import skip_ring_forced_release  # n
 from bufreuse.integrations.alltoall import RingAllToAll  # noqa: E402
 from bufreuse.integrations.core import Held, acquire_with_hint  # noqa: E402
 from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.plan.rules import ReleasePoint  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError, StaticShapeError  # noqa: E402
 
 HIDDEN, SEQ, MBS = 32, 8, 2
@@ -110,7 +111,7 @@ def test_install_matches_control_interleaved(parallel, num_experts: int, mode: s
     layer.zero_grad(set_to_none=True)
     with mode_env(mode):
         pool = BufferPool("cpu")
-        with install(layer, pool, _knobs(), tokens=TOKENS), guard(pool, mode):
+        with install(layer, pool, _knobs(), tokens=TOKENS) as inst, guard(pool, mode):
             out, grad = _interleaved(layer, xs)
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ref_grad, grad, strict=True))
@@ -124,6 +125,22 @@ def test_install_matches_control_interleaved(parallel, num_experts: int, mode: s
     assert stats["dispatch_output"].peak_held == 2 and stats["dispatch_output"].deferred_releases == 3
     # the unpermute saves nothing from the FC2 slot here (not deterministic): released in forward.
     assert stats["expert_fc2_output"].peak_held == 1 and stats["expert_fc2_output"].deferred_releases == 0
+    # ... which is where the planner's rules put them (pad-to-capacity at EP = 1: the sort is a view).
+    points = {name: rule.point for name, rule in inst.expected_release.items()}
+    assert points == {"dispatch_output": ReleasePoint.BACKWARD, "expert_fc2_output": ReleasePoint.FORWARD}
+    assert inst.release_check() == []
+
+
+def test_install_logs_each_rings_release_rule_once_at_debug(parallel, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="bufreuse.integrations"):
+        inst = install(_layer(1), BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    lines = [r.getMessage() for r in caplog.records if "expected release" in r.getMessage()]
+    inst.uninstall()
+    assert len(lines) == 2 and all(r.levelno == logging.DEBUG for r in caplog.records if "expected" in r.getMessage())
+    assert "'dispatch_output' expected release at backward" in lines[0] and "fp8" in lines[0]
+    assert "'expert_fc2_output' expected release at forward" in lines[1]
 
 
 @pytest.mark.parametrize("policy", ["stream-ordered", "record-stream"])
@@ -240,13 +257,45 @@ def test_deterministic_unpermute_defers_fc2_release_by_fact(parallel) -> None:
     try:
         ref_out, ref_grad = _interleaved(layer, xs)
         pool = BufferPool("cpu")
-        with install(layer, pool, _knobs(), tokens=TOKENS):  # production mode: no guard
+        with install(layer, pool, _knobs(), tokens=TOKENS) as inst:  # production mode: no guard
             out, grad = _interleaved(layer, xs)
     finally:
         torch.use_deterministic_algorithms(was)
     assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
     stats = pool.stats()["expert_fc2_output"]
     assert stats.peak_held == 2 and stats.deferred_releases == 3  # index_add_ saved it: by fact, not by config
+    # The rule (deterministic_mode, read as torch's deterministic flag) says the same: after backward.
+    rule = inst.expected_release["expert_fc2_output"]
+    assert rule.point is ReleasePoint.BACKWARD and "deterministic_mode" in rule.fields
+    assert inst.release_check() == []
+
+
+def test_release_rule_disagreement_is_reported_loudly_in_debug_mode(parallel, caplog) -> None:
+    """A rule the observed release contradicts: release_check names it, debug uninstall warns with the counts."""
+    import logging
+
+    from bufreuse.integrations.core import ReleaseRuleWarning
+
+    layer = _layer(1)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # the unpermute saves the FC2 slot ...
+    try:
+        inst = install(layer, BufferPool("cpu", debug=True), _knobs(), tokens=TOKENS)
+        inst.expected_release.clear()
+        inst.expect(layer, "alltoall", {**vars(layer.config), "deterministic_mode": False})  # ... a rule says not
+        _interleaved(layer, xs)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    (bad,) = inst.release_check()
+    assert (bad.ring, bad.rule.point, bad.acquisitions, bad.deferred, bad.expected_deferred) == (
+        "expert_fc2_output", ReleasePoint.FORWARD, 3, 3, 0,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="bufreuse.integrations"), pytest.warns(ReleaseRuleWarning) as w:
+        inst.uninstall()
+    text = str(w[0].message)
+    assert "'expert_fc2_output'" in text and "at forward" in text and "3 of 3" in text and "predicts 0" in text
+    assert "expert_fc2_output" in caplog.text
 
 
 def test_dtype_mismatch_is_refused_not_cast() -> None:
@@ -255,3 +304,81 @@ def test_dtype_mismatch_is_refused_not_cast() -> None:
     with pytest.raises(StaticShapeError, match="params_dtype"):
         acquire_with_hint(pool, "dispatch_output", (8, 4), torch.float32)
     assert pool.stats()["dispatch_output"].releases == 1  # nothing left held
+
+
+# --- num_slots='auto' through install(): the planner's first depth, the user's cap -------------------
+
+AUTO_TOKENS = 8192  # a 1 MiB slot (8192 rows x 32 x fp32), so the MiB cap counts slots
+
+
+def _auto_knobs(cap_mib: int = 0) -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers="auto",
+        moe_hybridep_num_expert_output_buffers="auto",
+        moe_bufreuse_auto_max_mib=cap_mib,
+    )
+
+
+def test_auto_ring_starts_at_the_planners_figure(parallel) -> None:
+    from bufreuse.integrations.core import ConfigView
+    from bufreuse.plan import initial_slots
+
+    layer = _layer(1)
+    layer.config.num_layers, layer.config.pipeline_model_parallel_size = 8, 4  # what the planner reads
+    planned = initial_slots(ConfigView(layer.config), "dispatch", num_microbatches=8, pp_rank=0)
+    assert planned == 8  # 1F1B rank 0 of 4, bf16/fp32 experts save the slot: 2 layers x 4 in flight
+    pool = BufferPool("cpu")
+    with install(layer, pool, _auto_knobs(), tokens=TOKENS, num_microbatches=8, pp_rank=0) as inst:
+        assert inst.auto_start == {"dispatch_output": 8, "expert_fc2_output": 1}
+        ring = pool.get("dispatch_output")
+        assert ring.num_slots == 8 and pool.stats()["dispatch_output"].settled_slots == 8
+        assert ring.max_bytes is not None  # no cap (0): the pool still gets one, and grows without bound
+    default = BufferPool("cpu")
+    with install(_layer(1), default, _auto_knobs(), tokens=TOKENS) as inst:  # no schedule: the pool default
+        assert inst.auto_start == {"dispatch_output": 2, "expert_fc2_output": 2}
+
+
+def test_auto_ring_grows_within_the_cap_and_logs_the_settled_depth(parallel, caplog) -> None:
+    import logging
+
+    layer = _layer(1)  # one layer, no pipelining: the plan says 1 slot; the interleaved order needs 2
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref_out, ref_grad = _interleaved(layer, xs)
+    pool = BufferPool("cpu")
+    knobs = _auto_knobs(cap_mib=3)
+    with (
+        caplog.at_level(logging.INFO, logger="bufreuse"),
+        install(layer, pool, knobs, tokens=AUTO_TOKENS, num_microbatches=3) as inst,
+    ):
+        assert inst.auto_start["dispatch_output"] == 1
+        out, grad = _interleaved(layer, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
+    s = pool.stats()["dispatch_output"]
+    assert (s.grown, s.settled_slots) == (1, 2) and pool.persistent_bytes() <= 2 * 3 * 2**20
+    settled = [r.getMessage() for r in caplog.records if "settled at" in r.getMessage()]
+    assert sum("'dispatch_output'" in m and "settled at 2 slots" in m for m in settled) == 1, settled
+
+
+def test_auto_ring_cap_is_honoured(parallel, caplog) -> None:
+    import logging
+
+    layer = _layer(1)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    pool = BufferPool("cpu")
+    with caplog.at_level(logging.WARNING, logger="bufreuse.integrations"):
+        inst = install(layer, pool, _auto_knobs(cap_mib=1), tokens=AUTO_TOKENS)  # 1 MiB: one slot
+    assert "holds 1 slot(s), below the default depth 2" in caplog.text
+    assert pool.get("dispatch_output").num_slots == 1 and pool.get("dispatch_output").max_bytes == 2**20
+    with pytest.raises(EarlyReuseError, match=r"max_bytes=1048576.*moe_bufreuse_auto_max_mib.*at least 2 slots"):
+        _interleaved(layer, xs)  # the second microbatch's dispatch while the first is saved for backward
+    pool.reset()
+    inst.uninstall()
+    assert pool.stats()["dispatch_output"].grown == 0
+
+
+def test_auto_ring_cap_below_one_slot_is_refused_by_name(parallel) -> None:
+    layer = _layer(1)
+    with pytest.raises(ConfigError, match=r"moe_bufreuse_auto_max_mib=1 holds no 'dispatch_output' slot.*>= 2"):
+        install(layer, BufferPool("cpu"), _auto_knobs(cap_mib=1), tokens=2 * AUTO_TOKENS)
+    assert "token_dispatch" not in vars(layer.token_dispatcher)  # nothing stayed replaced

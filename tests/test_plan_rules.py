@@ -59,8 +59,55 @@ def test_expert_output_released_at_combine_forward():
 
 
 def test_expert_output_waits_for_backward_under_deterministic_mode():
-    rule = release_rule({**ALLTOALL, "deterministic_mode": True}, "expert")
+    one_rank = {"moe_token_dispatcher_type": "alltoall", "num_moe_experts": 1, "deterministic_mode": True}
+    rule = release_rule(one_rank, "expert")
     assert rule.point is ReleasePoint.BACKWARD and rule.fields == ("deterministic_mode",)
+    pad_view = {**one_rank, "num_moe_experts": 8, "moe_pad_expert_input_to_capacity": True}
+    assert release_rule(pad_view, "expert").point is ReleasePoint.BACKWARD  # the unsort is a view at EP = 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"num_moe_experts": 8, "expert_model_parallel_size": 8},  # the combine all-to-all copies
+        {"num_moe_experts": 8},  # dropless: the local-expert unsort copies
+        {"num_moe_experts": 1, "expert_tensor_parallel_size": 2},  # the reduce-scatter copies
+        {"num_moe_experts": 1, "fp8": "e4m3", "moe_grouped_gemm": True},  # TE's Fp8Unpadding copies
+    ],
+)
+def test_deterministic_unpermute_of_a_copy_releases_the_fc2_slot_at_forward(extra):
+    cfg = {"moe_token_dispatcher_type": "alltoall", "deterministic_mode": True, **extra}
+    rule = release_rule(cfg, "expert")
+    assert rule.point is ReleasePoint.FORWARD and "deterministic_mode" in rule.fields
+
+
+def test_alltoall_pad_to_capacity_at_ep1_hands_the_experts_the_slot_itself():
+    cfg = {"moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_pad_expert_input_to_capacity": True}
+    assert release_rule(cfg, "dispatch").point is ReleasePoint.BACKWARD
+    assert release_rule({**cfg, "expert_model_parallel_size": 2}, "dispatch").point is ReleasePoint.FORWARD
+    assert release_rule({**cfg, "moe_apply_probs_on_input": True, "expert_model_parallel_size": 2}, "dispatch").point \
+        is ReleasePoint.FORWARD  # the multiply reads the sorted copy  # fmt: skip
+
+
+def test_expert_input_offload_refuses_the_dispatch_ring():
+    cfg = {**HYBRIDEP, "fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"]}
+    rule = release_rule(cfg, "dispatch")
+    assert rule.point is ReleasePoint.REFUSED and rule.refusals == ("no_expert_input_offload",)
+    assert "expert_fc1" in rule.reason
+
+
+@pytest.mark.parametrize("field", ["delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"])
+def test_delayed_wgrad_keeps_its_point_but_names_the_integration_refusal(field):
+    rule = release_rule({**HYBRIDEP, field: True}, "dispatch")
+    assert rule.point is ReleasePoint.WGRAD and rule.refusals == ("no_delayed_wgrad",)
+    assert release_rule({**HYBRIDEP, field: True}, "expert").refusals == ()
+
+
+def test_install_rows_are_the_rules_refusals():
+    from bufreuse.integrations.core import INSTALL_ROWS
+    from bufreuse.plan.rules import REFUSALS
+
+    assert [(r.key, r.text, r.fix, r.why) for r in INSTALL_ROWS] == [(r.key, r.text, r.fix, r.why) for r in REFUSALS]
 
 
 @pytest.mark.parametrize(

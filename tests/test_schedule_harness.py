@@ -22,8 +22,10 @@ from schedule_harness import MODES, ORDERS, Row, compare, guard, mode_env, rows_
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
+from bufreuse.integrations.core import ConfigView, effective_config  # noqa: E402
 from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.integrations.requirements import validate  # noqa: E402
+from bufreuse.plan.rules import release_rule  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
 
 HIDDEN, SEQ, MBS = 32, 8, 2
@@ -92,7 +94,8 @@ def _forward(layer, x, i: int):
     scores = torch.softmax(torch.randn(x.shape[0] * x.shape[1], cfg.num_moe_experts, generator=g), -1)
     top = scores.topk(cfg.moe_router_topk)
     routing = torch.zeros(top.values.shape[0], cfg.num_moe_experts, dtype=torch.bool).scatter(1, top.indices, True)
-    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values)
+    # The router's probs carry a gradient in training (moe_apply_probs_on_input's multiply then saves the slot).
+    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values).requires_grad_(True)
 
     def stages(x):
         h, p = layer.preprocess(x, probs, routing)
@@ -148,6 +151,7 @@ def test_schedule_row_matches_control_or_is_refused_by_name(parallel, row: Row, 
         with pytest.raises(ConfigError, match=key) as e:
             validate(layer.config, knobs, seq_length=SEQ, micro_batch_size=MBS)
         assert row.delayed_wgrad in str(e.value)
+        assert key in release_rule(layer.config, "dispatch").refusals  # the refusal is the release rule's
         with pytest.raises(ConfigError, match=row.delayed_wgrad):
             install(layer, BufferPool("cpu"), knobs, tokens=TOKENS)
         assert "token_dispatch" not in vars(layer.token_dispatcher)  # nothing stayed replaced
@@ -156,7 +160,10 @@ def test_schedule_row_matches_control_or_is_refused_by_name(parallel, row: Row, 
     with mode_env(mode):
         pool = BufferPool("cpu")
         assert pool.debug is (mode == "debug")
-        with install(layer, pool, knobs, tokens=TOKENS), guard(pool, mode):
+        with install(layer, pool, knobs, tokens=TOKENS) as inst, guard(pool, mode):
+            if row.fp8 == "copy":  # the fake emulates FP8 GEMMs that megatron cannot run on CPU: rules read fp8
+                inst.expected_release.clear()
+                inst.expect(layer, "alltoall", ConfigView(effective_config(layer.config), fp8="e4m3"))
             if row.expect.startswith("early-reuse:"):
                 depth = row.expect.split(":", 1)[1]
                 with pytest.raises(EarlyReuseError, match=f"to at least {depth}"):
@@ -172,3 +179,8 @@ def test_schedule_row_matches_control_or_is_refused_by_name(parallel, row: Row, 
         mult = 2 if row.recompute else 1  # a recomputed forward acquires again in backward
         assert s.acquisitions == s.releases == mult * len(xs), (row.name, name, s)
         assert s.peak_held <= row.depth, (row.name, name, s)
+    # The release observed (by fact) is where the planner's rule says (bufreuse.plan.rules): a rules
+    # change the integration contradicts fails here.
+    assert set(inst.expected_release) == set(stats)
+    disagreements = inst.release_check()
+    assert not disagreements, "\n".join(map(str, disagreements))

@@ -8,7 +8,8 @@ current scaling). Recompute rows set ``recompute_granularity='selective'`` + ``r
 (megatron's own checkpoint). The control and the ring run each get a freshly built layer from the
 same seeds (FP8 scaling state would otherwise carry over from one run to the other). Every row's
 outcome ("bit-equal", or the error it raised) goes to ``$OUT/megatron-gpu-summary.json`` under
-``harness``, with the hooked sites' allocation count after warm-up on the real-TE path under
+``harness`` (with each ring's release rule and its observed deferred releases, which must agree:
+``Installation.release_check``), with the hooked sites' allocation count after warm-up on the real-TE path under
 ``harness_te_allocations``. Run with scripts/gpu-tests.sh (``BUFREUSE_REQUIRE_TE=1``).
 """
 
@@ -173,7 +174,7 @@ def test_schedule_row_matches_control_or_is_refused_by_name_gpu(parallel, row: R
         pool = BufferPool("cuda")
         assert pool.debug is (mode == "debug")
         try:
-            with install(layer, pool, knobs, tokens=TOKENS), guard(pool, mode):
+            with install(layer, pool, knobs, tokens=TOKENS) as inst, guard(pool, mode):
                 got = run_order(layer, xs, row.order)
         except EarlyReuseError as e:
             RESULTS[key]["outcome"] = f"EarlyReuseError: {e}"
@@ -187,11 +188,30 @@ def test_schedule_row_matches_control_or_is_refused_by_name_gpu(parallel, row: R
     assert not row.expect.startswith("early-reuse:"), f"[{key}] expected an EarlyReuseError, the run finished"
     problems = compare(row.name, mode, ref, got)
     stats = {k: dataclasses.asdict(v) for k, v in pool.stats().items()}
-    RESULTS[key].update(outcome=problems or "bit-equal", stats=stats)
+    disagreements = inst.release_check()
+    release = {
+        name: {
+            "rule": rule.point.value,
+            "recompute": rule.recompute,
+            "reason": rule.reason,
+            "deferred": stats[name]["deferred_releases"],
+            "acquisitions": stats[name]["acquisitions"],
+        }
+        for name, rule in inst.expected_release.items()
+    }
+    RESULTS[key].update(
+        outcome=problems or "bit-equal",
+        stats=stats,
+        release=release,
+        release_disagreements=[str(d) for d in disagreements],
+    )
     assert not problems, "\n".join(problems)
     mult = 2 if row.recompute else 1
     for name, s in pool.stats().items():
         assert s.acquisitions == s.releases == mult * len(xs), (key, name, s)
+    # The observed release (by fact) agrees with the planner's rule (bufreuse.plan.rules).
+    assert set(inst.expected_release) == set(stats)
+    assert not disagreements, "\n".join(map(str, disagreements))
 
 
 def _alloc_stacks(snapshot: dict) -> list[list[str]]:

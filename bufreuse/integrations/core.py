@@ -6,6 +6,12 @@ installations and stay while any is alive. A :class:`PathAdapter` owns one dispa
 and the requirement rows (:class:`Requirement`) that path needs; the registry of adapters is
 :data:`bufreuse.integrations.adapters.ADAPTERS`.
 
+Releases are by fact (:class:`Held`); where they are *expected* comes from the planner's one table,
+:mod:`bufreuse.plan.rules`: the installation keeps each hooked ring's :class:`~bufreuse.plan.rules.ReleaseRule`
+(``expected_release``), takes its ring-policy refusals from the same rows (:data:`INSTALL_ROWS` is built
+from :data:`bufreuse.plan.rules.REFUSALS`), and :meth:`Installation.release_check` compares the
+observed deferrals with the rules (a disagreement means the planner's depth is wrong, not the run).
+
 Importing this module imports neither torch nor megatron-core (``bufreuse check-config`` reads the
 requirement rows without them); :func:`aliases` and :func:`acquire_with_hint` import torch and the
 pool when first called.
@@ -13,11 +19,17 @@ pool when first called.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bufreuse.config import BufferBound, BufReuseConfig
+from bufreuse.errors import ConfigError
+from bufreuse.plan.report import initial_slots
+from bufreuse.plan.rules import REFUSALS, ReleasePoint, ReleaseRule, release_rule
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALL_POLICIES",
+    "AUTO_START",
     "BOTH",
     "DISPATCH",
     "EXPERT",
@@ -36,21 +49,28 @@ __all__ = [
     "REUSE",
     "RING",
     "CheckContext",
+    "ConfigView",
     "Held",
     "Installation",
     "PathAdapter",
+    "ReleaseDisagreement",
+    "ReleaseRuleWarning",
     "Requirement",
     "acquire_with_hint",
     "active_installations",
     "aliases",
     "cfg_get",
     "cfg_has",
+    "effective_config",
+    "expected_deferred",
     "install_refusals",
     "ring_name",
     "shared_patch",
     "shared_patches_applied",
     "tracked",
 ]
+
+_log = logging.getLogger("bufreuse.integrations")
 
 DISPATCH = "dispatch_output"
 """Pool ring name of the MoE dispatch output."""
@@ -115,65 +135,120 @@ class Requirement:
     """Fields this row can only be met through; absent on older megatron-core -> cannot be met."""
 
 
-def _offloads(c: CheckContext, module: str) -> bool:
-    mods = cfg_get(c.cfg, "offload_modules", None) or []
-    return bool(cfg_get(c.cfg, "fine_grained_activation_offloading", False)) and module in mods
-
-
-def _delayed_wgrad(c: CheckContext) -> bool:
-    return bool(
-        cfg_get(c.cfg, "delay_wgrad_compute", False)
-        or cfg_get(c.cfg, "overlap_dispatch_backward_with_experts_wgrad", False)
+def _refusal_row(key: str) -> Requirement:
+    r = next(r for r in REFUSALS if r.key == key)
+    return Requirement(
+        key=r.key,
+        buffers=frozenset({r.buffer}),
+        paths=PATHS,
+        policies=RING,
+        text=r.text,
+        fix=r.fix,
+        why=r.why,
+        test=lambda c: not r.applies(c.cfg),
     )
 
 
-INSTALL_ROWS: tuple[Requirement, ...] = (
-    Requirement(
-        key="no_fused_group_mlp_offload",
-        buffers=frozenset({"dispatch"}),
-        paths=PATHS,
-        policies=RING,
-        text="no fine-grained fused_group_mlp activation offload",
-        fix="remove 'fused_group_mlp' from offload_modules or set fine_grained_activation_offloading=False",
-        why="that path force-releases the expert input storage, which is the persistent dispatch slot",
-        test=lambda c: not _offloads(c, "fused_group_mlp"),
-    ),
-    Requirement(
-        key="no_expert_input_offload",
-        buffers=frozenset({"dispatch"}),
-        paths=PATHS,
-        policies=RING,
-        text="no fine-grained expert_fc1 activation offload",
-        fix="remove 'expert_fc1' from offload_modules or set fine_grained_activation_offloading=False",
-        why="TEGroupedMLP copies the FC1 input (the dispatch slot) to host on a side stream under its own "
-        "saved-tensor hooks and sets save_original_input: a read the ring's saved-reference tracking cannot see",
-        test=lambda c: not _offloads(c, "expert_fc1"),
-    ),
-    Requirement(
-        key="no_delayed_wgrad",
-        buffers=frozenset({"dispatch"}),
-        paths=PATHS,
-        policies=RING,
-        text="expert weight gradients computed inside backward (no delayed wgrad)",
-        fix="set delay_wgrad_compute=False and overlap_dispatch_backward_with_experts_wgrad=False",
-        why="backward_dw() reads the FC1 input (the dispatch slot, bf16) from TE's wgrad store after autograd "
-        "freed its saved reference; bufreuse holds no slot across backward_dw, so the next acquisition could "
-        "overwrite it first (silently wrong weight gradients)",
-        test=lambda c: not _delayed_wgrad(c),
-    ),
-)
-"""Rows ``install()`` itself enforces per layer (a hook cannot be made right under them); also in the matrix."""
+INSTALL_ROWS: tuple[Requirement, ...] = tuple(_refusal_row(r.key) for r in REFUSALS)
+"""Rows ``install()`` itself enforces per layer: the release rules' refusals
+(:data:`bufreuse.plan.rules.REFUSALS`, one place), also rows of the matrix."""
+_INSTALL_ROW = {row.key: row for row in INSTALL_ROWS}
 
 
 def install_refusals(cfg: Any, knobs: BufReuseConfig, path: str) -> list[str]:
-    """The :data:`INSTALL_ROWS` unmet by ``cfg`` for the enabled buffers, each naming the field to change."""
-    ctx = CheckContext(cfg=cfg, knobs=knobs, path=path, tokens=None, features=None)  # type: ignore[arg-type]
+    """The refusals of the release rules for the enabled ring buffers, each naming the field to change.
+
+    ``release_rule(cfg, buffer).refusals`` decides; the words are the :data:`INSTALL_ROWS` row's.
+    """
     out = []
     for buffer, policy in knobs.enabled().items():
-        for row in INSTALL_ROWS:
-            if buffer in row.buffers and policy in row.policies and path in row.paths and not row.test(ctx):
+        if path not in PATHS:
+            continue
+        for key in release_rule(cfg, buffer, path=path).refusals:
+            row = _INSTALL_ROW[key]
+            if policy in row.policies:
                 out.append(f"[{buffer}/{policy}] {row.key}: needs {row.text} -> {row.fix} ({row.why})")
     return out
+
+
+class ConfigView(Mapping):
+    """A ``TransformerConfig`` (or a mapping) read as a flat mapping, with fields overridden.
+
+    The planner's functions read a mapping (``fields.get``); this lets them read a live config.
+    """
+
+    def __init__(self, cfg: Any, **overrides: Any) -> None:
+        self._cfg = cfg
+        self._over = overrides
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._over:
+            return self._over[name]
+        if isinstance(self._cfg, Mapping):
+            return self._cfg[name]
+        try:
+            return getattr(self._cfg, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        base = self._cfg if isinstance(self._cfg, Mapping) else vars(self._cfg)
+        return iter(dict.fromkeys([*base, *self._over]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def effective_config(cfg: Any) -> ConfigView:
+    """``cfg`` as the release rules should read it in this process.
+
+    ``deterministic_mode`` is also on when ``torch.use_deterministic_algorithms(True)`` is: megatron's
+    ``unpermute`` takes its ``index_add_`` path on ``torch.are_deterministic_algorithms_enabled()``.
+    """
+    import torch
+
+    on = bool(cfg_get(cfg, "deterministic_mode", False)) or torch.are_deterministic_algorithms_enabled()
+    return ConfigView(cfg, deterministic_mode=on)
+
+
+class ReleaseRuleWarning(RuntimeWarning):
+    """The release observed (by fact) contradicts the planner's rule: the planned depth is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseDisagreement:
+    """One ring whose observed deferred releases contradict its :class:`ReleaseRule`."""
+
+    ring: str
+    rule: ReleaseRule
+    acquisitions: int
+    deferred: int
+    expected_deferred: int
+
+    def __str__(self) -> str:
+        r = self.rule
+        return (
+            f"bufreuse: ring '{self.ring}' released against its rule: rule says release at {r.point.value}"
+            f"{' (MoE recompute)' if r.recompute else ''} ({r.reason}); observed {self.deferred} of "
+            f"{self.acquisitions} acquisition(s) deferred past the forward, the rule predicts "
+            f"{self.expected_deferred}. Releases are by fact, so the run is safe, but the planner's depth "
+            "(bufreuse plan, num_slots='auto' start) is wrong for this config"
+        )
+
+
+def expected_deferred(rule: ReleaseRule, acquisitions: int) -> int:
+    """Releases a rule predicts are deferred past the forward, out of ``acquisitions`` (all released).
+
+    Forward: none. Backward / wgrad: every one, or under MoE recompute the recomputed half (the
+    checkpointed forward saves nothing).
+    """
+    if rule.point is ReleasePoint.FORWARD:
+        return 0
+    return acquisitions // 2 if rule.recompute else acquisitions
+
+
+AUTO_START = 2
+"""The first depth of an ``auto`` ring when no plan is available (the pool's default)."""
 
 
 def tracked(pool: BufferPool, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -230,7 +305,8 @@ def acquire_with_hint(
     """``pool.acquire`` whose early-reuse error names the knob to raise; refuses a dtype mismatch.
 
     Raises:
-        EarlyReuseError: the ring is too shallow; the message names the knob and the minimum depth.
+        EarlyReuseError: the ring is too shallow; the message names the knob (for an ``auto`` ring, also
+            ``moe_bufreuse_auto_max_mib``) and the minimum depth.
         StaticShapeError: ``dtype`` is not the registered one (a copy would cast silently); nothing
             stays acquired.
     """
@@ -240,8 +316,14 @@ def acquire_with_hint(
         tensor = pool.acquire(name, shape)
     except EarlyReuseError as e:
         knob = KNOBS.get(name, "the slot count")
+        hint = f"raise {knob} to at least {e.min_depth}"
+        if getattr(pool.get(name), "max_bytes", None) is not None:  # num_slots='auto': the cap or the settling
+            hint = (
+                f"raise moe_bufreuse_auto_max_mib (the 'auto' ring's cap) to hold at least {e.min_depth} slots, "
+                f"or set {knob} to at least {e.min_depth}"
+            )
         raise EarlyReuseError(
-            f"{e} -> raise {knob} to at least {e.min_depth}",
+            f"{e} -> {hint}",
             ring=e.ring,
             slot=e.slot,
             generation=e.generation,
@@ -288,6 +370,15 @@ class Installation:
     tokens: int
     """Tokens per rank per microbatch entering a MoE layer (sizes the static bounds)."""
     layers: int = 0
+    num_microbatches: int | None = None
+    """Microbatches per step on this rank (with ``pp_rank``, the planner's schedule for ``auto`` rings)."""
+    pp_rank: int = 0
+    expected_release: dict[str, ReleaseRule] = field(default_factory=dict)
+    """Ring name -> where the planner's rule says it is released (:mod:`bufreuse.plan.rules`)."""
+    auto_start: dict[str, int] = field(default_factory=dict)
+    """Ring name -> the depth an ``auto`` ring was registered at (the planner's figure, or the default)."""
+    _mixed: set[str] = field(default_factory=set)
+    _checked: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list)
     _owners: dict[tuple[int, str], str] = field(default_factory=dict)
 
@@ -322,18 +413,138 @@ class Installation:
         """Run ``undo`` at ``uninstall()`` (last registered, first run)."""
         self._undo.append(undo)
 
-    def register(self, buffer: str, bound: BufferBound, dtype: Any) -> None:
-        """Register one enabled buffer's ring on the pool at its static bound."""
+    def register(self, buffer: str, bound: BufferBound, dtype: Any, cfg: Any = None) -> None:
+        """Register one enabled buffer's ring on the pool at its static bound.
+
+        ``num_slots='auto'``: the ring starts at the planner's minimum for ``cfg``'s schedule
+        (``bufreuse.plan.initial_slots``, with ``num_microbatches`` / ``pp_rank``) when it can be
+        planned, else at :data:`AUTO_START`, and grows up to ``moe_bufreuse_auto_max_mib`` (no cap: 0).
+
+        Raises:
+            ConfigError: the memory cap holds not even one slot.
+        """
+        name, slots = ring_name(buffer), self.knobs.slots(buffer)
+        auto: dict[str, int] = {}
+        if slots == "auto":
+            auto = self._auto_args(buffer, bound, dtype, cfg)
         self.pool.register(
-            ring_name(buffer),
+            name,
             policy=self.knobs.enabled()[buffer],
-            num_slots=self.knobs.slots(buffer),
+            num_slots=slots,
             max_shape=(bound.rows, bound.hidden),
             dtype=dtype,
+            **auto,
         )
+        if auto:
+            self.auto_start[name] = auto["initial_slots"]
+
+    def _auto_args(self, buffer: str, bound: BufferBound, dtype: Any, cfg: Any) -> dict[str, int]:
+        import torch
+
+        from bufreuse.pool import SLOT_ALIGN_BYTES
+
+        name = ring_name(buffer)
+        if name in self.auto_start:  # another layer of this installation: the same registration
+            return {"initial_slots": self.auto_start[name], "max_bytes": self._max_bytes()}
+        planned = None
+        if cfg is not None and self.num_microbatches:
+            planned = initial_slots(
+                effective_config(cfg), buffer, num_microbatches=self.num_microbatches, pp_rank=self.pp_rank
+            )
+        start = planned if planned is not None else AUTO_START
+        cap = self.knobs.auto_max_bytes
+        raw = bound.rows * bound.hidden * torch.empty((), dtype=dtype).element_size()
+        slot_bytes = -(-max(raw, 1) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        if cap is not None:
+            fit = cap // slot_bytes
+            if fit < 1:
+                need = -(-slot_bytes // 2**20)
+                raise ConfigError(
+                    f"moe_bufreuse_auto_max_mib={self.knobs.moe_bufreuse_auto_max_mib} holds no '{name}' slot "
+                    f"({slot_bytes} bytes each): raise it to >= {need}"
+                )
+            if start > fit:
+                _log.warning(
+                    "bufreuse: ring '%s' (num_slots='auto'): the cap moe_bufreuse_auto_max_mib=%d holds %d slot(s), "
+                    "below the %s depth %d; starting at %d (acquiring past it raises EarlyReuseError naming max_bytes)",
+                    name, self.knobs.moe_bufreuse_auto_max_mib, fit, "planned" if planned else "default", start, fit,
+                )  # fmt: skip
+                start = fit
+        _log.info(
+            "bufreuse: ring '%s' (num_slots='auto') starts at %d slot(s) (%s), cap %s",
+            name, start, f"planned for {self.num_microbatches} microbatches, PP rank {self.pp_rank}"
+            if planned is not None else "no plan: default", f"{cap} bytes" if cap is not None else "none",
+        )  # fmt: skip
+        return {"initial_slots": start, "max_bytes": self._max_bytes()}
+
+    def _max_bytes(self) -> int:
+        cap = self.knobs.auto_max_bytes
+        return cap if cap is not None else sys.maxsize  # no cap: the pool needs a number
+
+    def expect(self, layer: Any, path: str, cfg: Any = None) -> None:
+        """Record the release rule of each buffer hooked on ``layer`` (``install`` calls it per layer).
+
+        ``cfg``: the config the rules read (default: ``layer.config`` as :func:`effective_config` sees it).
+        """
+        cfg = effective_config(layer.config) if cfg is None else cfg
+        for buffer in ("dispatch", "expert"):
+            if buffer not in self.knobs.enabled() or (id(layer), buffer) not in self._owners:
+                continue
+            name, rule = ring_name(buffer), release_rule(cfg, buffer, path=path)
+            old = self.expected_release.setdefault(name, rule)
+            if old != rule:
+                self._mixed.add(name)  # layers with different rules share the ring: its counts mix them
+
+    def log_rules(self) -> None:
+        """One debug line per ring: where the planner's rule says it is released."""
+        for name, rule in self.expected_release.items():
+            mixed = " (layers disagree: not checked)" if name in self._mixed else ""
+            _log.debug(
+                "bufreuse: ring '%s' expected release at %s%s: %s%s",
+                name, rule.point.value, " (MoE recompute)" if rule.recompute else "", rule.reason, mixed,
+            )  # fmt: skip
+
+    def release_check(self) -> list[ReleaseDisagreement]:
+        """The ring-policy rings whose observed deferred releases contradict the rule.
+
+        Call it at a step boundary (every acquisition released); a ring with acquisitions still held,
+        none yet, or layers of different rules is not judged. Forward rule: no release deferred past
+        the forward; backward / wgrad: every one (the recomputed half under MoE recompute).
+        """
+        out = []
+        stats = self.pool.stats()
+        for name, rule in self.expected_release.items():
+            if name in self._mixed or name not in stats or self.pool.policy(name).value != "ring":
+                continue
+            s = stats[name]
+            if s.acquisitions == 0 or self.pool.get(name).held:
+                continue
+            want = expected_deferred(rule, s.acquisitions)
+            if s.deferred_releases != want:
+                out.append(ReleaseDisagreement(name, rule, s.acquisitions, s.deferred_releases, want))
+        return out
+
+    def warn_release_disagreements(self) -> list[ReleaseDisagreement]:
+        """:meth:`release_check`, each disagreement also a :class:`ReleaseRuleWarning` (and a log warning)."""
+        found = self.release_check()
+        for d in found:
+            _log.warning("%s", d)
+            warnings.warn(str(d), ReleaseRuleWarning, stacklevel=3)
+        return found
 
     def uninstall(self) -> None:
-        """Restore everything this installation replaced; the last one alive also drops the shared patches."""
+        """Restore everything this installation replaced; the last one alive also drops the shared patches.
+
+        In debug mode (``pool.debug``, ``BUFREUSE_DEBUG=1``) it first reports release-rule disagreements
+        (:meth:`warn_release_disagreements`). The last installation on its pool logs the depth each
+        ``auto`` ring settled on (``BufferPool.settle``).
+        """
+        if not self._checked and self in _ACTIVE:
+            self._checked = True
+            if self.expected_release and self.pool.debug:
+                self.warn_release_disagreements()
+            if self.auto_start and not any(i.pool is self.pool for i in _ACTIVE if i is not self):
+                self.pool.settle()
         while self._undo:
             self._undo.pop()()
         if self in _ACTIVE:

@@ -113,14 +113,46 @@ class Session:
         if self.pool is None:
             self.pool = BufferPool()
         tokens = tokens_per_microbatch(cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
-        inst = install(model, self.pool, knobs, tokens=tokens)
+        microbatches, pp_rank = _schedule(args)
+        inst = install(model, self.pool, knobs, tokens=tokens, num_microbatches=microbatches, pp_rank=pp_rank)
         self.installations.append(inst)
         rings = ", ".join(f"{k}={v}" for k, v in self.pool.ring_bytes().items())
-        print(f"bufreuse-megatron: hooked {inst.layers} MoE layer(s); persistent bytes {rings}", flush=True)
+        line = f"bufreuse-megatron: hooked {inst.layers} MoE layer(s); persistent bytes {rings}"
+        if inst.auto_start:
+            source = f"planned for {microbatches} microbatch(es), PP rank {pp_rank}" if microbatches else "no plan"
+            starts = ", ".join(f"{k}={v}" for k, v in inst.auto_start.items())
+            cap = knobs.moe_bufreuse_auto_max_mib or "none"
+            line += f"; num_slots='auto' starts at {starts} ({source}), cap {cap} MiB"
+        print(line, flush=True)
 
     def close(self) -> None:
         while self.installations:
             self.installations.pop().uninstall()
+
+
+def _schedule(args: Any) -> tuple[int | None, int]:
+    """Microbatches per step and this rank's pipeline stage, for the planner's ``auto`` depth.
+
+    Megatron's microbatch calculator when it is set up (it is before the model is built), else
+    ``global_batch_size // (micro_batch_size x data_parallel_size)``; None when neither is known.
+    """
+    microbatches = None
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        microbatches = int(get_num_microbatches())
+    except (ImportError, AttributeError, AssertionError, TypeError):
+        sizes = [getattr(args, k, None) for k in ("global_batch_size", "micro_batch_size", "data_parallel_size")]
+        if all(isinstance(v, int) and v > 0 for v in sizes):
+            microbatches = sizes[0] // (sizes[1] * sizes[2]) or None
+    rank = 0
+    try:
+        from megatron.core import parallel_state
+
+        rank = int(parallel_state.get_pipeline_model_parallel_rank())
+    except (ImportError, AttributeError, AssertionError, RuntimeError, TypeError):
+        pass  # model parallelism not initialised: a single stage
+    return microbatches, rank
 
 
 def _transformer_config(model: Any) -> Any:

@@ -44,8 +44,20 @@ __all__ = ["Installation", "install", "installed"]
 _MARK = "_bufreuse_hooked"
 
 
-def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConfig, *, tokens: int) -> Installation:
+def install(
+    model: torch.nn.Module | list,
+    pool: BufferPool,
+    knobs: BufReuseConfig,
+    *,
+    tokens: int,
+    num_microbatches: int | None = None,
+    pp_rank: int = 0,
+) -> Installation:
     """Register the enabled buffers on ``pool`` and hook every supported ``MoELayer`` in ``model``.
+
+    Each hooked ring's release rule (:mod:`bufreuse.plan.rules`, the planner's table) is kept in
+    ``Installation.expected_release`` and logged once at debug level; the refusals that are release
+    rules come from the same table.
 
     Run :func:`bufreuse.integrations.requirements.validate` first: it names every unmet setting at
     once, where ``install`` refuses at the first layer it cannot hook.
@@ -55,6 +67,9 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
         pool: the pool the rings are registered on (one pool may serve several chunks).
         knobs: which buffers are enabled, their policies and slot counts.
         tokens: tokens per rank per microbatch entering a MoE layer (sizes the static bounds).
+        num_microbatches: microbatches per step on this rank; with ``pp_rank``, the schedule the
+            planner sizes a ``num_slots='auto'`` ring's first depth from (None: the pool's default).
+        pp_rank: this rank's pipeline stage.
 
     Returns:
         The installation; ``uninstall()`` it (or use it as a context manager) to restore the model.
@@ -68,7 +83,7 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
 
     if not tokens or tokens < 1:
         raise ConfigError(f"install needs tokens per microbatch >= 1 to size the buffers, got {tokens!r}")
-    inst = Installation(pool=pool, knobs=knobs, tokens=tokens)
+    inst = Installation(pool=pool, knobs=knobs, tokens=tokens, num_microbatches=num_microbatches, pp_rank=pp_rank)
     modules = model if isinstance(model, list) else [model]
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
     if any(_MARK in vars(m) for m in layers):
@@ -92,6 +107,7 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
                 raise ConfigError(f"cannot hook the {label} MoE layer: " + "; ".join(problems))
             for a in chosen:
                 a.hook(inst, layer)
+            inst.expect(layer, path)
             inst.override(layer, _MARK, True)
             inst.layers += 1
         if knobs.enabled() and not shared_patches_applied():
@@ -99,15 +115,22 @@ def install(model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConf
     except BaseException:
         inst.uninstall()
         raise
+    inst.log_rules()
     return inst
 
 
 @contextlib.contextmanager
 def installed(
-    model: torch.nn.Module | list, pool: BufferPool, knobs: BufReuseConfig, *, tokens: int
+    model: torch.nn.Module | list,
+    pool: BufferPool,
+    knobs: BufReuseConfig,
+    *,
+    tokens: int,
+    num_microbatches: int | None = None,
+    pp_rank: int = 0,
 ) -> Iterator[Installation]:
     """``install`` for the duration of a ``with`` block (same arguments and errors)."""
-    inst = install(model, pool, knobs, tokens=tokens)
+    inst = install(model, pool, knobs, tokens=tokens, num_microbatches=num_microbatches, pp_rank=pp_rank)
     try:
         yield inst
     finally:

@@ -1,28 +1,41 @@
 """Where each ring buffer is acquired and where its release is allowed: the one table.
 
-The integration asks :func:`release_rule` (or :func:`release_rules`) where it releases; the planner
-reads the same rows to count slots in flight. Each row names the config fields it depends on, read
-from megatron-core 0.19.2 (``megatron/core/transformer/moe/``):
+The planner reads these rows to count slots in flight; the integration reads the same rows at
+``install()`` (``Installation.expected_release``), takes its ring-policy refusals from
+:data:`REFUSALS` (``ReleaseRule.refusals``), and checks the release it observes against them
+(``Installation.release_check``). The integration itself releases *by fact* (a release waits for the
+autograd-saved references the hooked stages made), so a rule it contradicts never corrupts a run: it
+means the planner's depth is wrong, and ``tests/test_schedule_harness.py`` fails. Each row names the
+config fields it depends on, read from megatron-core 0.19.2 (``megatron/core/transformer/moe/``):
 
 Dispatch output (written by the dispatch on the communication stream, read by the experts):
 
-- ``fine_grained_activation_offloading`` with ``'fused_group_mlp'`` in ``offload_modules``: **refused** -- the
-  offload force-releases the expert input storage, which is the persistent slot.
+- ``fine_grained_activation_offloading`` with ``'fused_group_mlp'`` or ``'expert_fc1'`` in
+  ``offload_modules``: **refused** -- the first force-releases the expert input storage (the persistent
+  slot), the second copies it to host under TE's own saved-tensor hooks (a read no tracking sees).
+- NCCL all-to-all where ``dispatch_postprocess`` copies the slot: expert TP (the all-gather), or several
+  local experts sorted by ``sort_chunks_by_idxs`` -- except in pad-to-capacity mode at EP x expert TP = 1,
+  where the sort is a ``view().transpose().contiguous()`` of a size-1 dimension, i.e. the slot itself:
+  **forward** (the copy is what the experts read and save).
 - ``moe_apply_probs_on_input``: the experts compute ``permuted_probs * hidden`` first
   (``TEGroupedMLP``/``SequentialMLP.forward``); the multiply saves ``hidden`` -- the slot -- for the probs
   gradient, whatever the GEMM precision: release after the **backward** of the layer's experts.
-- ``fp8`` / ``fp4`` unset and the experts read the slot itself (HybridEP always; NCCL all-to-all with one
-  local expert and no expert TP, since otherwise ``dispatch_postprocess`` sorts the tokens into a copy):
-  the bf16 expert GEMM saves its input. Release after its **backward**, or after **wgrad** with
-  ``delay_wgrad_compute`` (``mlp.backward_dw()`` computes the FC1 weight gradient from that input later).
-- otherwise **forward**: after the experts' forward read (FP8/FP4 save the quantized copy; the NCCL path's
-  copy is what is saved).
+- ``fp8`` / ``fp4`` set: **forward** (the expert GEMMs save the quantized copy).
+- otherwise the bf16 expert GEMM saves its input, the slot: release after its **backward**, or after
+  **wgrad** with delayed weight gradients (``delay_wgrad_compute`` or
+  ``overlap_dispatch_backward_with_experts_wgrad``: ``backward_dw()`` computes the FC1 weight gradient
+  from that input later). The integration refuses delayed wgrad for the ring policy whatever the point
+  (``no_delayed_wgrad``): it holds no slot across ``backward_dw``.
 
 Expert FC2 output (written by the experts on the compute stream, read by combine):
 
 - HybridEP: **forward** -- combine's forward is the final reader; its backward dispatches the gradient.
-- NCCL all-to-all with ``deterministic_mode``: **backward** -- ``unpermute`` takes its ``index_add_`` path
-  under deterministic algorithms, which the pool's autograd guard saw save the FC2 output (H200).
+- NCCL all-to-all under deterministic algorithms (``deterministic_mode``; the integration also reads
+  ``torch.are_deterministic_algorithms_enabled()``, which is what megatron's ``unpermute`` tests) when the
+  unpermute reads the slot itself: **backward** -- its ``index_add_`` path saves its source (seen by the
+  pool's autograd guard on the H200). The unpermute reads a copy instead (**forward**) with EP > 1 (the
+  combine all-to-all), expert TP (the reduce-scatter), several local experts outside the pad-to-capacity
+  view case (the unsort), or FP8/FP4 ``TEGroupedMLP`` experts that pad inside (``Fp8Unpadding`` copies).
 - otherwise **forward**.
 
 Activation recompute of the MoE layer (``recompute_granularity='full'``, or ``'selective'`` with ``'moe'``
@@ -34,11 +47,21 @@ released at forward; the recomputed forward in backward acquires a second slot, 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ReleasePoint", "ReleaseRule", "dispatch_path", "moe_recompute", "release_rule", "release_rules"]
+__all__ = [
+    "REFUSALS",
+    "Refusal",
+    "ReleasePoint",
+    "ReleaseRule",
+    "delayed_wgrad",
+    "dispatch_path",
+    "moe_recompute",
+    "release_rule",
+    "release_rules",
+]
 
 
 class ReleasePoint(enum.Enum):
@@ -68,6 +91,8 @@ class ReleaseRule:
     """Config fields this row depends on."""
     recompute: bool = False
     """The MoE layer is recomputed: a first acquisition in forward (released there) and a second in backward."""
+    refusals: tuple[str, ...] = ()
+    """Keys of the :data:`REFUSALS` rows that apply: the integration refuses this buffer's ring policy."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,11 +101,82 @@ class ReleaseRule:
             "reason": self.reason,
             "fields": list(self.fields),
             "recompute": self.recompute,
+            "refusals": list(self.refusals),
         }
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+
+
+def _offloads(cfg: Any, module: str) -> bool:
+    mods = _get(cfg, "offload_modules", None) or []
+    return bool(_get(cfg, "fine_grained_activation_offloading", False)) and module in mods
+
+
+def delayed_wgrad(cfg: Any) -> bool:
+    """Whether the expert weight gradients are computed after backward (``backward_dw``)."""
+    return bool(
+        _get(cfg, "delay_wgrad_compute", False) or _get(cfg, "overlap_dispatch_backward_with_experts_wgrad", False)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A setting under which the integration refuses a buffer's ring (a row of ``check-config`` too).
+
+    ``point_refused``: the buffer has no release point at all (the rule is ``REFUSED``); otherwise the
+    rule keeps its point for the planner and only the integration, which cannot release there, refuses.
+    """
+
+    key: str
+    buffer: str
+    applies: Callable[[Any], bool]
+    """True when the config has the refused setting."""
+    text: str
+    """What must hold, in words (the requirement row's text)."""
+    fix: str
+    why: str
+    fields: tuple[str, ...]
+    point_refused: bool
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        key="no_fused_group_mlp_offload",
+        buffer="dispatch",
+        applies=lambda cfg: _offloads(cfg, "fused_group_mlp"),
+        text="no fine-grained fused_group_mlp activation offload",
+        fix="remove 'fused_group_mlp' from offload_modules or set fine_grained_activation_offloading=False",
+        why="that path force-releases the expert input storage, which is the persistent dispatch slot",
+        fields=("fine_grained_activation_offloading", "offload_modules"),
+        point_refused=True,
+    ),
+    Refusal(
+        key="no_expert_input_offload",
+        buffer="dispatch",
+        applies=lambda cfg: _offloads(cfg, "expert_fc1"),
+        text="no fine-grained expert_fc1 activation offload",
+        fix="remove 'expert_fc1' from offload_modules or set fine_grained_activation_offloading=False",
+        why="TEGroupedMLP copies the FC1 input (the dispatch slot) to host on a side stream under its own "
+        "saved-tensor hooks and sets save_original_input: a read the ring's saved-reference tracking cannot see",
+        fields=("fine_grained_activation_offloading", "offload_modules"),
+        point_refused=True,
+    ),
+    Refusal(
+        key="no_delayed_wgrad",
+        buffer="dispatch",
+        applies=delayed_wgrad,
+        text="expert weight gradients computed inside backward (no delayed wgrad)",
+        fix="set delay_wgrad_compute=False and overlap_dispatch_backward_with_experts_wgrad=False",
+        why="backward_dw() reads the FC1 input (the dispatch slot, bf16) from TE's wgrad store after autograd "
+        "freed its saved reference; bufreuse holds no slot across backward_dw, so the next acquisition could "
+        "overwrite it first (silently wrong weight gradients)",
+        fields=("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"),
+        point_refused=False,
+    ),
+)
+"""The ring-policy refusals that are release rules; ``install()`` and the requirement matrix read them."""
 
 
 def dispatch_path(cfg: Any) -> str | None:
@@ -102,14 +198,40 @@ def moe_recompute(cfg: Any) -> bool:
     return gran == "full" or (gran == "selective" and "moe" in mods) or bool(_get(cfg, "moe_layer_recompute", False))
 
 
+def _parallel(cfg: Any) -> tuple[int, int, int]:
+    """(local experts, EP, expert TP); expert TP defaults to TP as megatron's ``TransformerConfig`` does."""
+    experts = int(_get(cfg, "num_moe_experts", 1) or 1)
+    ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
+    etp = int(_get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1)
+    return max(1, experts // ep), ep, etp
+
+
+def _local_sort_copies(cfg: Any) -> bool:
+    """Whether the all-to-all dispatcher's local-expert (un)sort copies (else it is the slot itself)."""
+    local, ep, etp = _parallel(cfg)
+    pad_view = bool(_get(cfg, "moe_pad_expert_input_to_capacity", False)) and ep * etp == 1
+    return local > 1 and not pad_view
+
+
+_PARALLEL_FIELDS = (
+    "num_moe_experts",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "moe_pad_expert_input_to_capacity",
+)
+
+
 def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, ...]]:
-    mods = _get(cfg, "offload_modules", None) or []
-    if _get(cfg, "fine_grained_activation_offloading", False) and "fused_group_mlp" in mods:
+    for r in REFUSALS:
+        if r.buffer == "dispatch" and r.point_refused and r.applies(cfg):
+            return ReleasePoint.REFUSED, f"{r.key} ({r.fix}): {r.why}", r.fields
+    if path == "alltoall" and (_parallel(cfg)[2] > 1 or _local_sort_copies(cfg)):
         return (
-            ReleasePoint.REFUSED,
-            "fine_grained_activation_offloading with 'fused_group_mlp' force-releases the expert input storage "
-            "(the persistent slot)",
-            ("fine_grained_activation_offloading", "offload_modules"),
+            ReleasePoint.FORWARD,
+            "NCCL all-to-all with expert TP or several local experts (outside pad-to-capacity at EP x expert TP "
+            "= 1): dispatch_postprocess reads the slot into a gathered/sorted copy, and the copy is what the "
+            "experts read and save",
+            _PARALLEL_FIELDS,
         )
     if _get(cfg, "moe_apply_probs_on_input", False):
         return (
@@ -120,21 +242,12 @@ def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str,
     quantized = bool(_get(cfg, "fp8", None) or _get(cfg, "fp4", None))
     if quantized:
         return ReleasePoint.FORWARD, "fp8/fp4 expert GEMMs save the quantized copy, not the slot", ("fp8", "fp4")
-    experts = int(_get(cfg, "num_moe_experts", 1) or 1)
-    ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
-    etp = int(_get(cfg, "expert_tensor_parallel_size", None) or 1)
-    if path == "alltoall" and (max(1, experts // ep) > 1 or etp > 1):
-        return (
-            ReleasePoint.FORWARD,
-            "NCCL all-to-all with several local experts or expert TP: dispatch_postprocess reads the slot into a "
-            "sorted copy, and the copy is what the experts save",
-            ("num_moe_experts", "expert_model_parallel_size", "expert_tensor_parallel_size"),
-        )
-    if _get(cfg, "delay_wgrad_compute", False):
+    if delayed_wgrad(cfg):
         return (
             ReleasePoint.WGRAD,
-            "bf16 expert GEMMs (fp8/fp4 unset) save the slot; delay_wgrad_compute reads it again in backward_dw",
-            ("fp8", "fp4", "delay_wgrad_compute"),
+            "bf16 expert GEMMs (fp8/fp4 unset) save the slot; delay_wgrad_compute "
+            "(or overlap_dispatch_backward_with_experts_wgrad) reads it again in backward_dw",
+            ("fp8", "fp4", "delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"),
         )
     return (
         ReleasePoint.BACKWARD,
@@ -144,14 +257,28 @@ def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str,
 
 
 def _expert(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, ...]]:
+    if path == "hybridep":
+        return ReleasePoint.FORWARD, "HybridEP combine's forward is the final reader of the FC2 output", ()
     if path == "alltoall" and _get(cfg, "deterministic_mode", False):
+        _, ep, etp = _parallel(cfg)
+        quantized = bool(_get(cfg, "fp8", None) or _get(cfg, "fp4", None))
+        pads_inside = (
+            quantized
+            and bool(_get(cfg, "moe_grouped_gemm", False))
+            and not _get(cfg, "moe_router_padding_for_quantization", False)
+        )
+        if ep > 1 or etp > 1 or _local_sort_copies(cfg) or pads_inside:
+            return (
+                ReleasePoint.FORWARD,
+                "deterministic_mode, but the unpermute reads a copy of the FC2 output (the combine all-to-all at "
+                "EP > 1, the expert-TP reduce-scatter, the local-expert unsort, or TE's Fp8Unpadding)",
+                ("deterministic_mode", *_PARALLEL_FIELDS, "fp8", "fp4", "moe_router_padding_for_quantization"),
+            )
         return (
             ReleasePoint.BACKWARD,
             "deterministic_mode: combine_postprocess's unpermute (index_add_ path) saves the FC2 output",
             ("deterministic_mode",),
         )
-    if path == "hybridep":
-        return ReleasePoint.FORWARD, "HybridEP combine's forward is the final reader of the FC2 output", ()
     return ReleasePoint.FORWARD, "combine copies the FC2 output in forward; nothing saves it", ("deterministic_mode",)
 
 
@@ -174,7 +301,8 @@ def release_rule(cfg: Any, buffer: str, *, path: str | None = None) -> ReleaseRu
     if recompute:
         reason += "; MoE recompute: the checkpointed forward saves nothing, the recomputed one acquires again"
         fields = (*fields, "recompute_granularity", "recompute_modules")
-    return ReleaseRule(buffer=buffer, point=point, reason=reason, fields=fields, recompute=recompute)
+    refusals = tuple(r.key for r in REFUSALS if r.buffer == buffer and r.applies(cfg))
+    return ReleaseRule(buffer=buffer, point=point, reason=reason, fields=fields, recompute=recompute, refusals=refusals)
 
 
 def release_rules(cfg: Any, *, path: str | None = None) -> dict[str, ReleaseRule]:

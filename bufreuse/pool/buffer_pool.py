@@ -270,6 +270,16 @@ class BufferPool:
     def phase(self) -> Phase:
         return self._phase
 
+    def settle(self) -> None:
+        """Stop every ``num_slots='auto'`` ring growing and log the depth it settled on (one line each).
+
+        ``prepare_capture`` does this; a run without CUDA graphs calls it after warm-up (or at the end),
+        so the settled depth is still reported once. Idempotent; fixed-depth rings ignore it.
+        """
+        for entry in self._entries.values():
+            if isinstance(entry, BufferRing):
+                entry.settle()
+
     # --- CUDA graphs ----------------------------------------------------------------------------------
 
     def prepare_capture(self, stream: Any = None) -> None:

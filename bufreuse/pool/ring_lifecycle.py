@@ -213,6 +213,10 @@ class RingLifecycle:
             slot.wait_on = event
             slot.wait_stream = stream
 
+    def settle(self) -> None:
+        """An ``auto`` ring stops growing; one log line gives the depth it settled on (once)."""
+        self._settle()
+
     def _settle(self) -> None:
         if self._frozen:
             return

@@ -143,7 +143,7 @@ class AllToAllAdapter:
         mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]
         bounds = static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens)
         for buf in mine:
-            installation.register(buf, bounds[buf], dtype)
+            installation.register(buf, bounds[buf], dtype, layer.config)
         state = _LayerState()
         if "dispatch" in mine:
             _hook_dispatch(installation, layer, state)

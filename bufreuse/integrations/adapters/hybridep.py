@@ -159,7 +159,9 @@ class HybridEPAdapter:
         if "dispatch" not in installation.knobs.enabled():
             return
         bounds = static_bounds(layer.config, installation.knobs, path="hybridep", tokens=installation.tokens)
-        installation.register("dispatch", bounds["dispatch"], getattr(layer.config, "params_dtype", torch.float32))
+        installation.register(
+            "dispatch", bounds["dispatch"], getattr(layer.config, "params_dtype", torch.float32), layer.config
+        )
         _inject(installation, fused_a2a)
         _hook_dispatch(installation, layer)
 

@@ -140,7 +140,7 @@ class TEGroupedAdapter:
             # FC2 writes the padded rows: each local expert's split rounds up to the quantization alignment.
             align = 128 if getattr(cfg, "fp4", None) else _quant_alignment(cfg)
             bound.rows += layer.experts.num_local_experts * (align - 1)
-        installation.register("expert", bound, getattr(cfg, "params_dtype", torch.float32))
+        installation.register("expert", bound, getattr(cfg, "params_dtype", torch.float32), cfg)
         if path == "hybridep":
             _hook_fused_hybridep(installation, layer)
         elif fused:

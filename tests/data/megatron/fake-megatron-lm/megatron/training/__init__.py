@@ -31,9 +31,11 @@ def pretrain(
     parser.add_argument("--seq-length", type=int)
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--moe-token-dispatcher-type", default="alltoall")
+    parser.add_argument("--global-batch-size", type=int, default=None)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     _ARGS = parser.parse_args()
+    _ARGS.data_parallel_size = 1  # upstream's validate_args derives it from the world size
     model = model_provider()
     moe = model.moe
     print(
