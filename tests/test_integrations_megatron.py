@@ -298,6 +298,29 @@ def test_release_rule_disagreement_is_reported_loudly_in_debug_mode(parallel, ca
     assert "expert_fc2_output" in caplog.text
 
 
+def test_data_dependent_rule_accepts_an_earlier_release_but_not_a_later_one(parallel) -> None:
+    """A data-dependent backward rule (TE's Fp8Unpadding) agrees with releases at forward; a forward rule
+    never agrees with a deferral."""
+    import dataclasses
+
+    layer = _layer(1)
+    xs = [torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    inst = install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)  # deterministic off: FC2 released at forward
+    try:
+        _interleaved(layer, xs)
+        rule = inst.expected_release["expert_fc2_output"]
+        assert rule.point is ReleasePoint.FORWARD and inst.release_check() == []
+        inst.expected_release["expert_fc2_output"] = dataclasses.replace(rule, point=ReleasePoint.BACKWARD)
+        (bad,) = inst.release_check()
+        assert (bad.deferred, bad.expected_deferred) == (0, 3)
+        inst.expected_release["expert_fc2_output"] = dataclasses.replace(
+            rule, point=ReleasePoint.BACKWARD, data_dependent=True
+        )
+        assert inst.release_check() == []
+    finally:
+        inst.uninstall()
+
+
 def test_dtype_mismatch_is_refused_not_cast() -> None:
     pool = BufferPool("cpu")
     pool.register("dispatch_output", policy="ring", num_slots=1, max_shape=(8, 4), dtype=torch.bfloat16)

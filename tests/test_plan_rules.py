@@ -72,13 +72,24 @@ def test_expert_output_waits_for_backward_under_deterministic_mode():
         {"num_moe_experts": 8, "expert_model_parallel_size": 8},  # the combine all-to-all copies
         {"num_moe_experts": 8},  # dropless: the local-expert unsort copies
         {"num_moe_experts": 1, "expert_tensor_parallel_size": 2},  # the reduce-scatter copies
-        {"num_moe_experts": 1, "fp8": "e4m3", "moe_grouped_gemm": True},  # TE's Fp8Unpadding copies
     ],
 )
 def test_deterministic_unpermute_of_a_copy_releases_the_fc2_slot_at_forward(extra):
     cfg = {"moe_token_dispatcher_type": "alltoall", "deterministic_mode": True, **extra}
     rule = release_rule(cfg, "expert")
-    assert rule.point is ReleasePoint.FORWARD and "deterministic_mode" in rule.fields
+    assert rule.point is ReleasePoint.FORWARD and "deterministic_mode" in rule.fields and not rule.data_dependent
+
+
+def test_deterministic_fp8_te_experts_padding_inside_are_planned_backward_data_dependent():
+    # H200, real TE 2.20.2, one expert, 512 tokens (aligned): Fp8Unpadding returned the FC2 output itself and
+    # the unpermute's index_add_ saved it (4 of 4 releases deferred); unaligned counts make it copy (forward).
+    cfg = {"moe_token_dispatcher_type": "alltoall", "deterministic_mode": True, "num_moe_experts": 1,
+           "fp8": "hybrid", "moe_grouped_gemm": True}  # fmt: skip
+    rule = release_rule(cfg, "expert")
+    assert rule.point is ReleasePoint.BACKWARD and rule.data_dependent and "Fp8Unpadding" in rule.reason
+    assert rule.to_dict()["data_dependent"] is True
+    padded_by_router = release_rule({**cfg, "moe_router_padding_for_quantization": True}, "expert")
+    assert padded_by_router.point is ReleasePoint.BACKWARD and not padded_by_router.data_dependent
 
 
 def test_alltoall_pad_to_capacity_at_ep1_hands_the_experts_the_slot_itself():

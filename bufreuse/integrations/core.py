@@ -509,7 +509,8 @@ class Installation:
 
         Call it at a step boundary (every acquisition released); a ring with acquisitions still held,
         none yet, or layers of different rules is not judged. Forward rule: no release deferred past
-        the forward; backward / wgrad: every one (the recomputed half under MoE recompute).
+        the forward; backward / wgrad: every one (the recomputed half under MoE recompute), or at most
+        that many when the rule is ``data_dependent``.
         """
         out = []
         stats = self.pool.stats()
@@ -520,7 +521,8 @@ class Installation:
             if s.acquisitions == 0 or self.pool.get(name).held:
                 continue
             want = expected_deferred(rule, s.acquisitions)
-            if s.deferred_releases != want:
+            # A data-dependent rule is an upper bound: fewer deferrals (an earlier copy) agree with it.
+            if s.deferred_releases > want or (s.deferred_releases != want and not rule.data_dependent):
                 out.append(ReleaseDisagreement(name, rule, s.acquisitions, s.deferred_releases, want))
         return out
 

@@ -35,7 +35,10 @@ Expert FC2 output (written by the experts on the compute stream, read by combine
   unpermute reads the slot itself: **backward** -- its ``index_add_`` path saves its source (seen by the
   pool's autograd guard on the H200). The unpermute reads a copy instead (**forward**) with EP > 1 (the
   combine all-to-all), expert TP (the reduce-scatter), several local experts outside the pad-to-capacity
-  view case (the unsort), or FP8/FP4 ``TEGroupedMLP`` experts that pad inside (``Fp8Unpadding`` copies).
+  view case (the unsort). FP8/FP4 ``TEGroupedMLP`` experts that pad inside make it data-dependent:
+  ``Fp8Unpadding`` copies unless every expert's token count is already aligned, when it returns the FC2
+  output itself (seen on the H200 with one expert: 512 tokens, all four releases deferred); planned as
+  backward (``ReleaseRule.data_dependent``).
 - otherwise **forward**.
 
 Activation recompute of the MoE layer (``recompute_granularity='full'``, or ``'selective'`` with ``'moe'``
@@ -93,6 +96,9 @@ class ReleaseRule:
     """The MoE layer is recomputed: a first acquisition in forward (released there) and a second in backward."""
     refusals: tuple[str, ...] = ()
     """Keys of the :data:`REFUSALS` rows that apply: the integration refuses this buffer's ring policy."""
+    data_dependent: bool = False
+    """``point`` is the latest release the data can cause: some acquisitions release earlier (at the
+    forward), depending on token counts. The planner counts ``point`` (safe); a check accepts either."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,7 +108,12 @@ class ReleaseRule:
             "fields": list(self.fields),
             "recompute": self.recompute,
             "refusals": list(self.refusals),
+            "data_dependent": self.data_dependent,
         }
+
+
+_DATA_DEPENDENT_BACKWARD: Any = object()
+"""Internal marker from ``_expert``/``_dispatch``: backward at the latest, forward for some data."""
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -267,11 +278,20 @@ def _expert(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, .
             and bool(_get(cfg, "moe_grouped_gemm", False))
             and not _get(cfg, "moe_router_padding_for_quantization", False)
         )
-        if ep > 1 or etp > 1 or _local_sort_copies(cfg) or pads_inside:
+        if ep > 1 or etp > 1 or _local_sort_copies(cfg):
             return (
                 ReleasePoint.FORWARD,
                 "deterministic_mode, but the unpermute reads a copy of the FC2 output (the combine all-to-all at "
-                "EP > 1, the expert-TP reduce-scatter, the local-expert unsort, or TE's Fp8Unpadding)",
+                "EP > 1, the expert-TP reduce-scatter, or the local-expert unsort)",
+                ("deterministic_mode", *_PARALLEL_FIELDS),
+            )
+        if pads_inside:
+            return (
+                _DATA_DEPENDENT_BACKWARD,
+                "deterministic_mode with FP8/FP4 TE experts that pad inside: Fp8Unpadding copies the FC2 output "
+                "when an expert's token count is not a multiple of the alignment (then forward), and returns it "
+                "unchanged when every count is aligned (the unpermute's index_add_ then saves it: backward); "
+                "planned as backward",
                 ("deterministic_mode", *_PARALLEL_FIELDS, "fp8", "fp4", "moe_router_padding_for_quantization"),
             )
         return (
@@ -297,12 +317,23 @@ def release_rule(cfg: Any, buffer: str, *, path: str | None = None) -> ReleaseRu
         raise ValueError(f"unknown buffer {buffer!r}; choose dispatch or expert")
     path = dispatch_path(cfg) if path is None else path
     point, reason, fields = (_dispatch if buffer == "dispatch" else _expert)(cfg, path)
+    data_dependent = point is _DATA_DEPENDENT_BACKWARD
+    if data_dependent:
+        point = ReleasePoint.BACKWARD
     recompute = moe_recompute(cfg) and point is not ReleasePoint.REFUSED
     if recompute:
         reason += "; MoE recompute: the checkpointed forward saves nothing, the recomputed one acquires again"
         fields = (*fields, "recompute_granularity", "recompute_modules")
     refusals = tuple(r.key for r in REFUSALS if r.buffer == buffer and r.applies(cfg))
-    return ReleaseRule(buffer=buffer, point=point, reason=reason, fields=fields, recompute=recompute, refusals=refusals)
+    return ReleaseRule(
+        buffer=buffer,
+        point=point,
+        reason=reason,
+        fields=fields,
+        recompute=recompute,
+        refusals=refusals,
+        data_dependent=data_dependent,
+    )
 
 
 def release_rules(cfg: Any, *, path: str | None = None) -> dict[str, ReleaseRule]:
