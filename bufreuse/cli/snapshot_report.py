@@ -28,7 +28,11 @@ __all__ = ["register"]
 
 
 def _budget(what: str) -> Any:
-    return typer.Option(min=1, help=f"Budget: {what}", rich_help_panel="Budgets (raise for trusted big files)")
+    return typer.Option(
+        min=1,
+        help=f"Budget: {what} Shorthand for --limit NAME=N (same field).",
+        rich_help_panel="Budgets (raise for trusted big files)",
+    )
 
 
 @handle_errors
@@ -73,8 +77,8 @@ def snapshot_report(
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
+    from bufreuse import limits
     from bufreuse.analysis.snapshot import ReportConfig, combine, parse_category_options, report_files
-    from bufreuse.analysis.snapshot.budget import SnapshotBudget
     from bufreuse.errors import InputError
 
     raised = {
@@ -84,7 +88,7 @@ def snapshot_report(
         "max_blocks": max_blocks,
         "max_memory_bytes": max_memory_bytes,
     }
-    budget = SnapshotBudget(**{k: v for k, v in raised.items() if v is not None})
+    in_force = limits.current().replace(**{k: v for k, v in raised.items() if v is not None})
 
     try:
         cats = parse_category_options(category or [])
@@ -109,7 +113,7 @@ def snapshot_report(
             on_file_done=on_done,
             workers=workers,
             raise_errors=_debug(ctx),
-            budget=budget,
+            limits=in_force,
         )
 
     failed = 0

@@ -50,7 +50,7 @@ _WORLD_RE = grammar("world-size").pattern
 _CAPTURE_RE = grammar("cuda-graph-capture").pattern
 _NODELIST_RE = grammar("nodelist").pattern
 _JOBID_RE = grammar("jobid").pattern
-_FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(\S+)\s*$")
+_FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(.+?)\s*$")  # a value with spaces is junk, named in a warning
 _AFTER_RE = re.compile(r"after (\d+) iterations")
 _SIZE_RE = re.compile(r"(data|tensor-model|pipeline-model|context|expert-model)-parallel[ -]size:\s*(\d+)")
 _FILE_JOBID_RE = re.compile(r"slurm-(\d+)")
@@ -144,8 +144,20 @@ def _number(text: str) -> float | None:
         return None
 
 
-def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecord]:
-    """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average."""
+_COUNT_ATTRS = ("skipped", "nan")
+
+
+def _is_count(value: float) -> bool:
+    """A finite whole number >= 0: what a skipped / nan iterations field must hold to count."""
+    return math.isfinite(value) and value >= 0 and value == int(value)
+
+
+def _iterations(line: str, lineno: int, pairs: list[int], odd_fields: list[str]) -> list[IterationRecord]:
+    """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average.
+
+    A known field with no usable value (markup or U+FFFD glued to the number, a count that is
+    ``nan``, ``inf``, ``-1`` or ``2.5``) is dropped and named in ``odd_fields``.
+    """
     matches = list(_ITER_RE.finditer(line))
     out = []
     for k, m in enumerate(matches):
@@ -156,12 +168,14 @@ def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecor
             fm = _FIELD_RE.match(piece)
             if not fm or (spec := FIELDS.get(fm.group(1))) is None:
                 continue
-            text = fm.group(2)
+            text = printed = fm.group(2)
             if "/" in text:  # ``current/average``: the window's own value is the current one
                 text = text.partition("/")[0]
                 pairs[0] += 1
             value = _number(text)
-            if value is not None:
+            if value is None or (spec.attr in _COUNT_ATTRS and not _is_count(value)):
+                odd_fields.append(f"line {lineno}: {spec.label!r} is {printed[:40]!r}")
+            else:
                 values[spec.attr] = value * spec.scale
         if not any(a in values for a in TIMING_ATTRS):
             continue
@@ -173,8 +187,8 @@ def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecor
                 tflops=values.get("tflops"),
                 loss=values.get("loss"),
                 samples_per_s=values.get("samples_per_s"),
-                skipped=int(values.get("skipped", 0) or 0),
-                nan=int(values.get("nan", 0) or 0),
+                skipped=int(values.get("skipped", 0)),
+                nan=int(values.get("nan", 0)),
                 fields=len(values),
                 line=lineno,
             )
@@ -224,10 +238,10 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     by_iteration: dict[int, IterationRecord] = {}
     conflicts: set[int] = set()
     capture_pending = False
-    pairs, odd_memory = [0], []
+    pairs, odd_memory, odd_fields = [0], [], []
     for i, line in enumerate(lines, start=1):
         terminated = i < len(lines) or not log.partial_last_line
-        records = _iterations(line, i, pairs) if "iteration" in line else []
+        records = _iterations(line, i, pairs, odd_fields) if "iteration" in line else []
         for rec in records:
             old = by_iteration.get(rec.iteration)
             if old is not None:
@@ -279,6 +293,11 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     if odd_memory:
         log.warnings.append(
             f"{len(odd_memory)} 'memory (MB)' line(s) in no known shape ignored (first: line {odd_memory[0]})"
+        )
+    if odd_fields:
+        log.warnings.append(
+            f"{len(odd_fields)} iteration field(s) with no usable value ignored (a count must be a whole number"
+            f" >= 0; first: {odd_fields[0]})"
         )
     if capture_pending:
         log.warnings.append("CUDA-graph capture message with no iteration logged after it")
