@@ -63,9 +63,10 @@ class Limits:
     memory_per_file_byte: int = 40
     """Memory allowed per byte of (decompressed) snapshot above the floor: big real files need it."""
     max_log_line_bytes: int = 1 * 2**20
-    """Characters of one log line; longer lines are cut there (a Megatron line is < 2 KiB)."""
-    max_log_bytes: int = 16 * 2**30
-    """Bytes read from one training log (16 GiB)."""
+    """Characters of one log line; a log with a longer line is refused (Megatron's longest, the argument
+    dump, is tens of KiB)."""
+    max_log_bytes: int = 4 * 2**30
+    """Bytes read from one training log, after gzip decompression (4 GiB; a month-long run is a few hundred MiB)."""
     max_yaml_aliases: int = 1000
     """YAML aliases in one config or site file (a 'billion laughs' file has millions)."""
     max_dim: int = 2**24

@@ -215,3 +215,25 @@ def test_cli_budget_flag_is_named_and_raises_the_budget() -> None:
     assert CliRunner().invoke(app, raised).exit_code == 0
     both = CliRunner().invoke(app, ["snapshot-report", str(GOOD), str(GOOD), "--max-trace-entries", "3"])
     assert both.exit_code == 2 and both.stderr.count("max_trace_entries budget of 3") == 2  # workers saw it
+
+
+def test_pending_series_near_2_63_is_exact_and_plots(tmp_path: Path) -> None:
+    """int64 x uint64 is float64 in numpy: three 2^62 pending frees must sum exactly (and still plot)."""
+    import warnings
+
+    from bufreuse.analysis.render.export import png_bytes
+    from bufreuse.analysis.render.plots import timeline_figure
+
+    big = 2**62 + 7
+    trace = []
+    for i in range(3):
+        trace += [entry("alloc", 4096 * (i + 1), big, frames=[USER]), entry("free_requested", 4096 * (i + 1), big)]
+    trace += [entry("free_completed", 4096 * (i + 1), big) for i in range(3)]
+    p = write(tmp_path / "big.pickle", {"segments": [], "device_traces": [trace]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "invalid value encountered in cast"
+        res = analyze_file(str(p), ReportConfig(timeline_points=400))
+        assert res.report is not None and res.timeline is not None
+        (series,) = res.report["pending_free_series"]["sites"].values()
+        assert max(series) == 3 * big == res.report["pending_free_at_max_active_bytes"]
+        assert png_bytes(timeline_figure(res.timeline, title="big"))[:4] == b"\x89PNG"

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from bufreuse.analysis.runs.grammars import FIELDS, TIMING_ATTRS, clean_text, describe_unknown, grammar
 from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
-from bufreuse.analysis.runs.textfile import check_log_text
+from bufreuse.analysis.runs.textfile import LogBudgetError, check, check_log_text
 from bufreuse.errors import LogFormatError
+from bufreuse.limits import Limits, current
 
 __all__ = [
     "MAX_LOG_BYTES",
@@ -39,8 +40,8 @@ __all__ = [
     "steady_iterations",
 ]
 
-MAX_LOG_BYTES = 4 << 30
-"""Most bytes a log (after gzip decompression) is read to (resource budget)."""
+MAX_LOG_BYTES = Limits().max_log_bytes
+"""The default ``max_log_bytes`` budget: bytes a log is read to after gzip decompression (an alias)."""
 
 _ITER_RE = grammar("iteration").pattern
 _MEM_RE = grammar("memory-rank").pattern
@@ -325,17 +326,16 @@ def _set_windows(log: MegatronLog) -> None:
 
 def _read_text(p: Path) -> tuple[str, str | None]:
     """The file's text (gzip sniffed by its magic bytes, not its name) and a warning when cut short."""
+    limit = current().max_log_bytes
     with p.open("rb") as f:
         head = f.read(2)
         f.seek(0)
         if head != b"\x1f\x8b":
-            data = f.read(MAX_LOG_BYTES + 1)
-            if len(data) > MAX_LOG_BYTES:
-                raise LogFormatError(f"{p}: larger than {MAX_LOG_BYTES >> 30} GiB, not read")
+            data = f.read(limit + 1)
+            check("max_log_bytes", len(data), what=f"{p}: bytes")
             return data.decode("utf-8", errors="replace"), None
-        raw = f.read()
-    if len(raw) > MAX_LOG_BYTES:
-        raise LogFormatError(f"{p}: larger than {MAX_LOG_BYTES >> 30} GiB, not read")
+        raw = f.read(limit + 1)
+    check("max_log_bytes", len(raw), what=f"{p}: gzip bytes")
     out: list[bytes] = []
     size, cut, buf = 0, None, raw
     try:
@@ -345,8 +345,10 @@ def _read_text(p: Path) -> tuple[str, str | None]:
                 chunk = d.decompress(buf, 1 << 24)
                 buf = d.unconsumed_tail
                 size += len(chunk)
-                if size > MAX_LOG_BYTES:
-                    raise LogFormatError(f"{p}: decompresses to more than {MAX_LOG_BYTES >> 30} GiB, not read")
+                if size > limit:
+                    raise LogBudgetError(
+                        "max_log_bytes", value=f"more than {limit:,}", limit=limit, what=f"{p}: decompressed bytes"
+                    )
                 out.append(chunk)
                 if not chunk and not buf:
                     cut = f"gzip stream ends early (a cut file): read the {size:,} bytes it holds"
