@@ -227,6 +227,17 @@ def test_host_list_within_budget_expands_and_merges_ranges() -> None:
     assert parse_hostlist(f"n[1-{MAX_EXPANDED_HOSTS + 1}]").hosts is None
 
 
+def test_host_list_budget_is_the_max_hosts_limit() -> None:
+    from bufreuse.limits import Limits, override
+
+    assert MAX_EXPANDED_HOSTS == Limits().max_hosts == 4096  # the old constant: the default's alias
+    with override(max_hosts=3):
+        assert parse_hostlist("n[1-4]").hosts is None and parse_hostlist("n[1-3]").count == 3
+        with pytest.raises(ValueError, match=r"larger than 3 names.*--limit max-hosts=N"):
+            expand_hostlist("n[1-4]")
+    assert parse_hostlist("n[1-4]", limits=Limits(max_hosts=10)).hosts == ("n1", "n2", "n3", "n4")
+
+
 def test_huge_nodelist_line_in_a_log_is_read_compressed_and_fast() -> None:
     import time
 
