@@ -26,6 +26,7 @@ __all__ = [
     "BufReuseConfig",
     "BufferBound",
     "add_arguments",
+    "check_field_types",
     "dispatch_path",
     "dispatch_rows",
     "load_megatron_file",
@@ -190,7 +191,7 @@ def load_megatron_file(path: str | Path) -> dict[str, Any]:
             data = yaml.load(text, Loader=_no_alias_loader())
             if not isinstance(data, dict):
                 raise InputError(f"{p}: expected a mapping of Megatron fields at the top level")
-            return _checked_numbers(_flatten(data), p)
+            return check_field_types(_flatten(data), p)
         except yaml.YAMLError as e:  # the message names the place, never quotes the file's text
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -200,34 +201,55 @@ def load_megatron_file(path: str | Path) -> dict[str, Any]:
             raise InputError(f"{p}: YAML nested too deep for a Megatron config") from None
         except ValueError as e:  # a key Python cannot print (an int of 10^5 digits, say)
             raise InputError(f"{p}: unusable YAML key ({_cut(str(e))})") from None
-    return _checked_numbers(_parse_args_text(text, p), p)
+    return check_field_types(_parse_args_text(text, p), p)
 
 
 _INT_FIELDS = (
     "hidden_size", "moe_latent_size", "seq_length", "micro_batch_size", "num_moe_experts", "num_experts",
     "moe_router_topk", "tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
+    "expert_tensor_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "num_layers", "microbatch_group_size_per_vp_stage",
+    "num_microbatches", "global_batch_size", "data_parallel_size",
 )  # fmt: skip
 _FLOAT_FIELDS = ("moe_expert_capacity_factor", "moe_expert_rank_capacity_factor")
+_LIST_FIELDS = ("offload_modules", "recompute_modules")
+"""Lists of module names (a single name is accepted and read as a list of one)."""
 _MAX_FIELD = 1 << 40  # far above any model dimension, far below where byte products stop making sense
 
 
-def _checked_numbers(fields_: dict[str, Any], p: Path) -> dict[str, Any]:
-    """Refuse the sizing fields the checks compute with when they are not sane numbers (one line each).
+def check_field_types(fields_: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """Refuse the fields the checks and the planner compute with when they are not of their type.
 
-    The message names the field and the value's type, never the file's text (which may be anything).
+    Sizing fields must be integers in [0, 2^40] (capacity factors numbers in [0, 1e6]), module
+    lists a name or a list of names. One :class:`ConfigError` line naming the field and the
+    value's type, never the file's text (which may be anything). Returns ``fields_``.
     """
     for name in _INT_FIELDS:
         v = fields_.get(name)
         if v is not None and (type(v) is not int or not 0 <= v <= _MAX_FIELD):
-            what = "out of range" if type(v) is int else f"a {type(v).__name__}"
-            raise InputError(f"{p}: {name} is {what}, expected an integer in [0, 2^40]")
+            what = "out of range" if type(v) is int else _a_type(v)
+            raise ConfigError(f"{where}: {name} is {what}, expected an integer in [0, 2^40]")
     for name in _FLOAT_FIELDS:
         v = fields_.get(name)
         if v is not None and (type(v) not in (int, float) or not 0 <= v <= 1e6):
-            what = "out of range" if type(v) in (int, float) else f"a {type(v).__name__}"
-            raise InputError(f"{p}: {name} is {what}, expected a number in [0, 1e6]")
+            what = "out of range" if type(v) in (int, float) else _a_type(v)
+            raise ConfigError(f"{where}: {name} is {what}, expected a number in [0, 1e6]")
+    for name in _LIST_FIELDS:
+        v = fields_.get(name)
+        if v is None or isinstance(v, str):
+            continue
+        if not isinstance(v, list):
+            raise ConfigError(f"{where}: {name} is {_a_type(v)}, expected a list of module names")
+        bad = [x for x in v if not isinstance(x, str)]
+        if bad:
+            raise ConfigError(f"{where}: {name} holds {_a_type(bad[0])}, expected module names (strings)")
     return fields_
+
+
+def _a_type(v: Any) -> str:
+    """``a str``, ``an int``: the value's type for a message (never the value, which may be anything)."""
+    name = type(v).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
 _MAX_CONFIG_BYTES = 16 << 20  # a Megatron config is kilobytes; anything this big is not one

@@ -1,13 +1,17 @@
 """The project's resource budgets: how much one command may read, expand, fork or allocate.
 
-Every long or large path (a snapshot's trace, a host list, a log line, a YAML file, a worker pool,
-a ring sized from options) checks its budget here before it spends the time or memory, so a hostile
-or careless input ends in one ``error:`` line instead of an hour of swapping. A torch-free foundation
-module: any layer may import it; it imports only :mod:`bufreuse.errors`.
+Every long or large path (a snapshot file and its trace, a host list, a log line, a YAML file, a
+worker pool, a ring sized from options) checks its budget here before it spends the time or memory,
+so a hostile or careless input ends in one ``error:`` line instead of an hour of swapping. The one
+budget mechanism of the project: the snapshot loader's budgets are fields here too (its helpers in
+:mod:`bufreuse.analysis.snapshot.budget` read them). A torch-free foundation module: any layer may
+import it; it imports only :mod:`bufreuse.errors`.
 
 Budgets are raised per run, never by editing code: ``bufreuse --limit max-trace-entries=20000000 ...``
 on the command line, or ``BUFREUSE_LIMITS="max-trace-entries=20000000,max-hosts=100000"`` in the
-environment (the flag wins). Library callers use :func:`override` or pass a :class:`Limits`.
+environment (the flag wins); ``snapshot-report`` also takes shorthands (``--max-trace-entries N``)
+that set the same fields. Library callers use :func:`override` or pass a :class:`Limits` (worker
+processes get the object itself: the :func:`override` context does not cross processes).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dataclasses
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from bufreuse.errors import InputError
 
@@ -44,14 +49,24 @@ class Limits:
     """Host names one SLURM host list may expand to; larger lists are kept as ranges and counted."""
     max_workers: int = 64
     """Worker processes one command may fork (never more than the files or the CPUs either)."""
-    max_trace_entries: int = 5_000_000
-    """Allocator trace events read from one snapshot (a 1M-event snapshot is a few seconds)."""
-    max_snapshot_bytes: int = 4 * 2**30
-    """Bytes of one snapshot file, after decompression (4 GiB)."""
+    max_trace_entries: int = 8_000_000
+    """Allocator trace entries of one snapshot, all devices (5M-entry recordings fit; 1M load in seconds)."""
+    max_file_bytes: int = 4 * 2**30
+    """Bytes of one snapshot file on disk (4 GiB)."""
+    max_pickle_bytes: int | None = None
+    """Bytes of a snapshot's pickle after gzip decompression: stops gzip bombs. None (auto): 200 x the
+    gzip file + 64 MiB, at most 64 GiB (real snapshots compress 5-30x)."""
+    max_blocks: int = 2_000_000
+    """Segments plus blocks in one snapshot's final state."""
+    max_memory_bytes: int = 1536 * 2**20
+    """Memory loading and analysing one snapshot may add (1.5 GiB; the floor for any file)."""
+    memory_per_file_byte: int = 40
+    """Memory allowed per byte of (decompressed) snapshot above the floor: big real files need it."""
     max_log_line_bytes: int = 1 * 2**20
-    """Characters of one log line; longer lines are cut there (a Megatron line is < 2 KiB)."""
-    max_log_bytes: int = 16 * 2**30
-    """Bytes read from one training log (16 GiB)."""
+    """Characters of one log line; a log with a longer line is refused (Megatron's longest, the argument
+    dump, is tens of KiB)."""
+    max_log_bytes: int = 4 * 2**30
+    """Bytes read from one training log, after gzip decompression (4 GiB; a month-long run is a few hundred MiB)."""
     max_yaml_aliases: int = 1000
     """YAML aliases in one config or site file (a 'billion laughs' file has millions)."""
     max_dim: int = 2**24
@@ -61,24 +76,39 @@ class Limits:
     max_buffer_bytes: int = 2**40
     """Bytes one ring or benchmark buffer set may come to (slots x rows x columns x element size; 1 TiB)."""
 
-    def replace(self, **changes: int) -> Limits:
+    def replace(self, **changes: int | None) -> Limits:
         """A copy with ``changes`` applied (names with '-' or '_'); unknown names raise InputError."""
         return dataclasses.replace(self, **{_field_name(k): _positive(k, v) for k, v in changes.items()})
 
 
 class BudgetExceededError(InputError):
-    """An input needs more than a budget allows; names the budget, the value and how to raise it."""
+    """An input needs more than a budget allows; names the budget, the value and how to raise it.
+
+    ``SHORTHANDS`` (subclasses) maps a budget to a command's own flag that raises it too. Pickles
+    across processes (snapshot workers send it back): it is rebuilt from its fields.
+    """
+
+    SHORTHANDS: ClassVar[dict[str, str]] = {}
 
     def __init__(self, budget: str, *, value: int | float | str, limit: int, what: str) -> None:
         self.budget = budget
         self.value = value
         self.limit = limit
         self.what = what
-        shown = f"{value:,}" if isinstance(value, int) else str(value)
+        shown = f"{value:,} exceeds" if isinstance(value, int) else f"{value}, over"
         super().__init__(
-            f"{what}: {shown} exceeds the {budget} budget of {limit:,}; "
-            f"raise it with {flag_for(budget)} if this is intended"
+            f"{what}: {shown} the {budget} budget of {limit:,}; "
+            f"raise it with {flag_for(budget, shorthand=self.SHORTHANDS.get(budget))} if this is intended"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.budget, self.value, self.limit, self.what))
+
+
+def _rebuild(
+    cls: type[BudgetExceededError], budget: str, value: int | float | str, limit: int, what: str
+) -> BudgetExceededError:
+    return cls(budget, value=value, limit=limit, what=what)
 
 
 _override: contextvars.ContextVar[Limits | None] = contextvars.ContextVar("bufreuse_limits", default=None)
@@ -104,26 +134,35 @@ def override(limits: Limits | None = None, **changes: int) -> Iterator[Limits]:
         _override.reset(token)
 
 
-def check(budget: str, value: int | float, *, what: str, limits: Limits | None = None) -> None:
-    """Raise :class:`BudgetExceededError` if ``value`` is above the budget named ``budget``.
+def check(
+    budget: str,
+    value: int | float,
+    *,
+    what: str,
+    limits: Limits | None = None,
+    error: type[BudgetExceededError] = BudgetExceededError,
+) -> None:
+    """Raise ``error`` (a :class:`BudgetExceededError`) if ``value`` is above the budget named ``budget``.
 
     Args:
         budget: a :class:`Limits` field name, e.g. ``"max_trace_entries"``.
         value: what the input needs (entries, bytes, hosts).
         what: where, for the message (``"snap.pickle: trace entries"``).
         limits: the budgets to check against (default :func:`current`).
+        error: the class raised (a subclass may also be a format error and name a shorthand flag).
 
     Raises:
         BudgetExceededError: ``value`` is above the budget.
     """
     limit = getattr(limits or current(), _field_name(budget))
-    if value > limit:
-        raise BudgetExceededError(_field_name(budget), value=value, limit=limit, what=what)
+    if limit is not None and value > limit:
+        raise error(_field_name(budget), value=value, limit=limit, what=what)
 
 
-def flag_for(budget: str) -> str:
-    """How a user raises ``budget``: ``--limit max-trace-entries=N`` (or ``$BUFREUSE_LIMITS``)."""
-    return f"--limit {_field_name(budget).replace('_', '-')}=N (or {ENV_VAR})"
+def flag_for(budget: str, *, shorthand: str | None = None) -> str:
+    """How a user raises ``budget``: ``--limit max-trace-entries=N`` (or a command's ``shorthand``, or the env)."""
+    main = f"--limit {_field_name(budget).replace('_', '-')}=N"
+    return f"{main} (or {shorthand} N, or {ENV_VAR})" if shorthand else f"{main} (or {ENV_VAR})"
 
 
 def parse_overrides(items: Iterable[str], *, source: str = "--limit") -> dict[str, int]:
@@ -156,7 +195,13 @@ def _field_name(key: str, *, source: str = "--limit") -> str:
     return name
 
 
-def _positive(name: str, value: int, *, source: str = "--limit") -> int:
+_AUTO = frozenset({"max_pickle_bytes"})
+"""Fields whose default is None: computed from the input (see the field's docstring)."""
+
+
+def _positive(name: str, value: int | None, *, source: str = "--limit") -> int | None:
+    if value is None and _field_name(name) in _AUTO:
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"{source} {name.replace('_', '-')}={value}: must be a whole number >= 1")
     return value

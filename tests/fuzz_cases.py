@@ -307,11 +307,10 @@ def snapshot_bytes(rng: random.Random, canary: Path, scale: float) -> tuple[str,
 
 
 GRAMMAR_VALUES = ("nan", "inf", "1e400")
-"""Number mutations only a log grammar can judge (``inf`` where an int belongs). ``grammar=False``
-(CI) leaves these, bit flips and markup glued to a figure out: the grammar is being rewritten."""
+"""Number mutations only a log grammar can judge (``inf`` where an int belongs)."""
 
 
-def log_bytes(rng: random.Random, scale: float, *, grammar: bool = True) -> tuple[str, bytes]:
+def log_bytes(rng: random.Random, scale: float) -> tuple[str, bytes]:
     seed = rng.choice(LOG_SEEDS).read_bytes()
     r = rng.random()
     if r < 0.12:
@@ -331,17 +330,14 @@ def log_bytes(rng: random.Random, scale: float, *, grammar: bool = True) -> tupl
         for _ in range(rng.randint(1, 6)):
             i = rng.randrange(len(lines))
             mark = rng.choice(MARKUP).encode()
-            if grammar:  # glued to a figure ("64[/]"): only the grammar can judge it
-                lines[i] = lines[i] + mark
-            else:  # a line of its own
-                lines[i] = mark + b"\n" + lines[i]
+            lines[i] = lines[i] + mark  # glued to a figure ("64[/]"): only the grammar can judge it
         return "markup_lines", b"\n".join(lines)
     if r < 0.68:
         text = seed.decode("utf-8", "replace")
         out, digits = [], 0
         for ch in text:
             if ch.isdigit() and rng.random() < 0.02:
-                values = ["9" * 5000, "-1", "0", "[/]", *(GRAMMAR_VALUES if grammar else ())]
+                values = ["9" * 5000, "-1", "0", "[/]", *GRAMMAR_VALUES]
                 out.append(rng.choice(values))
                 digits += 1
             else:
@@ -349,7 +345,7 @@ def log_bytes(rng: random.Random, scale: float, *, grammar: bool = True) -> tupl
         return "number_mutation", "".join(out).encode()
     if r < 0.78:
         return "truncated", seed[: rng.randrange(len(seed) + 1)]
-    if r < 0.86 and grammar:  # flipped digits ("71>8") are for the grammar to judge
+    if r < 0.86:  # flipped digits ("71>8") are for the grammar to judge
         data = bytearray(seed)
         for _ in range(rng.randint(1, 16)):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
@@ -413,16 +409,14 @@ def config_bytes(rng: random.Random, scale: float) -> tuple[str, bytes]:
     return "real", seed
 
 
-def make_case(
-    index: int, seed: int, folder: Path, canary: Path, *, scale: float = 1.0, log_grammar: bool = True
-) -> Case:
+def make_case(index: int, seed: int, folder: Path, canary: Path, *, scale: float = 1.0) -> Case:
     """Write case ``index`` of run ``seed`` into ``folder``; the mix is ~70% snapshots, 15% logs, 15% configs."""
     rng = random.Random(f"{seed}:{index}")
     r = rng.random()
     if r < 0.7:
         target, (kind, data), name = "snapshot", snapshot_bytes(rng, canary, scale), f"case{index}.pickle"
     elif r < 0.85:
-        target, (kind, data), name = "log", log_bytes(rng, scale, grammar=log_grammar), f"case{index}.log"
+        target, (kind, data), name = "log", log_bytes(rng, scale), f"case{index}.log"
     else:
         target, (kind, data), name = "config", config_bytes(rng, scale), f"case{index}.yaml"
         if kind in ("args_junk",) or (kind == "value_mutation" and data.startswith(b"--")):

@@ -131,11 +131,11 @@ def test_limit_flag_raises_a_budget_for_one_run(tmp_path: Path) -> None:
 
 def test_budget_error_names_budget_value_and_flag() -> None:
     with pytest.raises(limits.BudgetExceededError) as info:
-        limits.check("max-trace-entries", 6_000_000, what="snap.pickle: trace entries")
+        limits.check("max-trace-entries", 9_000_000, what="snap.pickle: trace entries")
     err = info.value
     assert isinstance(err, InputError)
-    assert (err.budget, err.value, err.limit) == ("max_trace_entries", 6_000_000, 5_000_000)
-    assert "snap.pickle: trace entries: 6,000,000 exceeds the max_trace_entries budget of 5,000,000" in str(err)
+    assert (err.budget, err.value, err.limit) == ("max_trace_entries", 9_000_000, 8_000_000)
+    assert "snap.pickle: trace entries: 9,000,000 exceeds the max_trace_entries budget of 8,000,000" in str(err)
     assert "--limit max-trace-entries=N" in str(err)
 
 

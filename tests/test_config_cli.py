@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from bufreuse.cli import app
@@ -64,3 +65,63 @@ def test_check_config_unreadable_input_exits_2(tmp_path: Path) -> None:
     bad.write_text("moe_bufreuse_dispatch_policy: lifo\nmoe_hybridep_reuse_dispatch_output_buffers: true\n")
     result = runner.invoke(app, ["check-config", str(bad)])
     assert result.exit_code == 2 and "moe_bufreuse_dispatch_policy" in result.output
+
+
+HOSTILE_FIELDS = [
+    ("offload_modules: 3", "offload_modules is an int, expected a list of module names"),  # scalar for a list
+    ("recompute_modules: 5", "recompute_modules is an int, expected a list of module names"),
+    ("offload_modules: [fused_group_mlp, 7]", "offload_modules holds an int, expected module names"),
+    ("recompute_modules: 1.5", "recompute_modules is a float, expected a list of module names"),
+    ("num_layers: [1, 2]", "num_layers is a list, expected an integer"),  # list for a scalar
+    ("pipeline_model_parallel_size: '[/]'", "pipeline_model_parallel_size is a str, expected an integer"),
+    ("moe_router_topk: [{a: 1}]", "moe_router_topk is a list, expected an integer"),
+    ("hidden_size: .inf", "hidden_size is a float, expected an integer"),
+    ("moe_expert_rank_capacity_factor: .nan", "moe_expert_rank_capacity_factor is out of range"),
+]
+
+
+def _hostile_config(tmp_path: Path, line: str) -> Path:
+    base = (DATA / "hybridep-ready.yaml").read_text()
+    key = line.split(":")[0]
+    kept = [ln for ln in base.splitlines() if not ln.strip().startswith(f"{key}:")]
+    p = tmp_path / "hostile.yaml"
+    p.write_text("\n".join([*kept, "fine_grained_activation_offloading: true", line]) + "\n")
+    return p
+
+
+@pytest.mark.parametrize(("line", "message"), HOSTILE_FIELDS)
+def test_check_config_and_plan_refuse_a_field_of_the_wrong_type_in_one_line(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    """The fuzz run's uncaught cases (``argument of type 'int' is not iterable``) and their kin."""
+    p = _hostile_config(tmp_path, line)
+    for args in (["check-config", str(p)], ["plan", str(p)]):
+        res = runner.invoke(app, args)
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1, (args, res.output)
+        assert lines[0].startswith(f"error: {p}: ") and message in lines[0], lines[0]
+
+
+def test_field_types_are_checked_for_library_mappings_too() -> None:
+    """A YAML mapping value is a section (flattened); a caller's own mapping can hold a dict anywhere."""
+    from bufreuse.config import check_field_types
+    from bufreuse.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cfg: moe_router_topk is a dict, expected an integer"):
+        check_field_types({"moe_router_topk": {"a": 1}}, "cfg")
+    with pytest.raises(ConfigError, match="cfg: offload_modules is a dict, expected a list"):
+        check_field_types({"offload_modules": {"a": 1}}, "cfg")
+    ok = {"offload_modules": "fused_group_mlp", "recompute_modules": ["moe"], "num_layers": 61, "hidden_size": None}
+    assert check_field_types(ok, "cfg") is ok
+
+
+def test_plan_refuses_a_moe_layer_freq_of_zero() -> None:
+    from bufreuse.errors import InputError
+    from bufreuse.plan.report import moe_layers_per_chunk
+    from bufreuse.plan.schedule import ScheduleKind, ScheduleSpec
+
+    spec = ScheduleSpec(kind=ScheduleKind.NONE, microbatches=4)
+    with pytest.raises(InputError, match="moe_layer_freq=0 does not describe"):
+        moe_layers_per_chunk({"num_layers": 4, "moe_layer_freq": 0}, spec)
+    with pytest.raises(InputError, match="moe_layer_freq='\\[\\[\\[' is not an integer or a list"):
+        moe_layers_per_chunk({"num_layers": 4, "moe_layer_freq": "[[["}, spec)

@@ -22,7 +22,7 @@ def test_fuzz_cases_end_in_a_report_or_one_error_line(tmp_path: Path) -> None:
     outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
     bad, slow = [], []
     for i in range(CASES):
-        case = make_case(i, SEED, tmp_path, canary, scale=0.005, log_grammar=False)
+        case = make_case(i, SEED, tmp_path, canary, scale=0.005)
         t0 = time.perf_counter()
         outcome, detail = run_case(case, canary, plot=i % 200 == 0)
         seconds = time.perf_counter() - t0

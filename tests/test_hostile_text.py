@@ -34,7 +34,11 @@ def test_invalid_utf8_in_a_log_is_replaced_not_fatal(tmp_path: Path) -> None:
     [
         (b"\x00\x01\x02binary" * 100, "a binary file"),
         (bytes(range(256)) * 50, "a binary file"),
-        (b"iteration 1/ 2 | " + b"x" * (MAX_LINE_CHARS + 1) + b"\n", "a line of 1,048,5"),
+        (
+            b"iteration 1/ 2 | " + b"x" * (MAX_LINE_CHARS + 1) + b"\n",
+            "characters in one line: 1,048,594 exceeds the max_log_line_bytes budget of 1,048,576; "
+            "raise it with --limit max-log-line-bytes=N",
+        ),
         (b"iteration " + b"9" * 5000 + b"/ 10 |\n", "a number of 1,000\\+ digits at line 1"),
         (b"\x1f\x8b\x08\x00junk", "corrupt gzip stream"),
     ],

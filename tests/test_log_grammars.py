@@ -13,6 +13,8 @@ from bufreuse.analysis.runs.hostlist import MAX_EXPANDED_HOSTS, expand_hostlist,
 from bufreuse.analysis.runs.megatron_log import describe_dropped, parse_log, parse_log_text, steady_iterations
 from bufreuse.errors import LogFormatError
 
+DATA = Path(__file__).parent / "data" / "logs"
+
 
 def lm_line(it: int, ms: float, tflops: float | None = 200.0, *, total: int = 100, skipped: int = 0) -> str:
     """A Megatron-LM (2023-) iteration line."""
@@ -225,6 +227,17 @@ def test_host_list_within_budget_expands_and_merges_ranges() -> None:
     assert parse_hostlist(f"n[1-{MAX_EXPANDED_HOSTS + 1}]").hosts is None
 
 
+def test_host_list_budget_is_the_max_hosts_limit() -> None:
+    from bufreuse.limits import Limits, override
+
+    assert MAX_EXPANDED_HOSTS == Limits().max_hosts == 4096  # the old constant: the default's alias
+    with override(max_hosts=3):
+        assert parse_hostlist("n[1-4]").hosts is None and parse_hostlist("n[1-3]").count == 3
+        with pytest.raises(ValueError, match=r"larger than 3 names.*--limit max-hosts=N"):
+            expand_hostlist("n[1-4]")
+    assert parse_hostlist("n[1-4]", limits=Limits(max_hosts=10)).hosts == ("n1", "n2", "n3", "n4")
+
+
 def test_huge_nodelist_line_in_a_log_is_read_compressed_and_fast() -> None:
     import time
 
@@ -232,3 +245,70 @@ def test_huge_nodelist_line_in_a_log_is_read_compressed_and_fast() -> None:
     log = parse_log_text("SLURM_JOB_NODELIST=n[0-999999999]\n" + lm_line(1, 400.0) + "\n")
     assert time.perf_counter() - start < 1.0
     assert log.nodes is not None and log.nodes.count == 10**9 and log.node_list is None
+
+
+@pytest.mark.parametrize(
+    ("label", "value"),
+    [
+        ("number of nan iterations", "inf"),
+        ("number of nan iterations", "nan"),
+        ("number of skipped iterations", "1e400"),
+        ("number of skipped iterations", "-1"),
+        ("number of skipped iterations", "2.5"),
+        ("number of skipped iterations", "0[/]"),
+        ("number of nan iterations", "0\ufffd"),
+        ("number of nan iterations", "[bold red]x[/]"),
+    ],
+)
+def test_count_field_that_is_no_count_is_ignored_and_named(label: str, value: str) -> None:
+    line = lm_line(3, 400.0).replace(f"{label}:   0 |", f"{label}: {value} |")
+    assert value in line
+    log = parse_log_text(line + "\n")
+    (rec,) = log.iterations
+    assert (rec.skipped, rec.nan, rec.elapsed_ms) == (0, 0, 400.0)
+    (warning,) = [w for w in log.warnings if "no usable value" in w]
+    assert f"line 1: {label!r} is {value!r}" in warning
+
+
+@pytest.mark.parametrize("glued", ["[/]", "\ufffd", "[bold red]x[/]", "$\\frac{1}{$"])
+def test_timing_field_with_markup_glued_is_ignored_with_a_reason(glued: str) -> None:
+    bad = lm_line(2, 410.0).replace("(ms): 410.0 |", f"(ms): 410.0{glued} |")
+    log = parse_log_text(lm_line(1, 400.0) + "\n" + bad + "\n")
+    assert [(r.iteration, r.elapsed_ms, r.tflops) for r in log.iterations] == [(1, 400.0, 200.0), (2, None, 200.0)]
+    (warning,) = [w for w in log.warnings if "no usable value" in w]
+    assert f"line 2: 'elapsed time per iteration (ms)' is {'410.0' + glued!r}" in warning
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("hidden_size", "7168[bold red]x[/]", "hidden_size is a str"),
+        ("moe_router_topk", "8[/]", "moe_router_topk is a str"),
+        ("moe_expert_rank_capacity_factor", "1.2$\\frac{1}{$", "moe_expert_rank_capacity_factor is a str"),
+        ("seq_length", "4096\ufffd", "seq_length is a str"),
+        ("hidden_size", "inf", "hidden_size is a float"),
+        ("moe_router_topk", "nan", "moe_router_topk is a float"),
+    ],
+)
+def test_printed_argument_that_is_no_number_leaves_ring_bytes_underived_with_a_reason(
+    tmp_path: Path, name: str, value: str, why: str
+) -> None:
+    """The exact hostile values of the 10k fuzz run: compare reports the run and says why no bound."""
+    from typer.testing import CliRunner
+
+    from bufreuse.analysis.runs import resolve_runs
+    from bufreuse.cli import app
+
+    seed = DATA / "slurm-2796654.out"
+    lines = seed.read_text().splitlines(keepends=True)
+    (i,) = [k for k, ln in enumerate(lines) if f" {name} ..." in ln]
+    lines[i] = lines[i].rsplit(" ", 1)[0] + f" {value}\n"
+    log = tmp_path / "slurm-1.out"
+    log.write_text("".join(lines))
+    (run,) = resolve_runs([str(log)])
+    assert run.ring_slots and not run.ring_slot_bytes
+    assert any(why in w and "ring slot bytes not derived" in w for w in run.warnings), run.warnings
+    (good,) = resolve_runs([str(seed)])
+    assert good.ring_slot_bytes  # the unmodified log derives them
+    res = CliRunner().invoke(app, ["compare", str(DATA / "slurm-2796012.out"), str(log)])
+    assert res.exit_code in (0, 1) and "internal error" not in res.output, res.output

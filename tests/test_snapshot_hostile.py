@@ -16,10 +16,11 @@ from bufreuse.analysis.render.export import renderable_text
 from bufreuse.analysis.render.snapshot_tables import file_renderable
 from bufreuse.analysis.snapshot import ReportConfig, analyze_file, load_snapshot, report_file, report_files
 from bufreuse.analysis.snapshot import batch as batch_mod
-from bufreuse.analysis.snapshot.budget import BudgetExceededError, SnapshotBudget
+from bufreuse.analysis.snapshot.budget import SnapshotBudgetError
 from bufreuse.analysis.snapshot.validate import short
 from bufreuse.cli import app
 from bufreuse.errors import InputError, SnapshotFormatError
+from bufreuse.limits import BudgetExceededError, Limits, override
 
 DATA = Path(__file__).parent / "data" / "snapshots"
 GOOD = DATA / "record_stream.pickle.gz"
@@ -97,7 +98,7 @@ def test_sizes_near_2_62_are_exact_not_wrapped(tmp_path: Path) -> None:
 def test_memo_index_bomb_is_refused_by_the_memory_budget(tmp_path: Path) -> None:
     p = tmp_path / "memo.pickle"
     p.write_bytes(b"\x80\x02]r" + struct.pack("<I", 2**31) + b".")  # the loader would zero 16 GiB of memo
-    with pytest.raises(BudgetExceededError, match="--max-memory-bytes"):
+    with pytest.raises(SnapshotBudgetError, match=r"max_memory_bytes budget .*--limit max-memory-bytes=N"):
         load_snapshot(p)
 
 
@@ -112,28 +113,46 @@ def test_gzip_bomb_is_refused_by_the_pickle_budget(tmp_path: Path) -> None:
     payload = pickle.dumps({"segments": [], "device_traces": [], "pad": bytes(100 << 20)}, protocol=4)
     p = tmp_path / "bomb.pickle.gz"
     p.write_bytes(gzip.compress(payload, compresslevel=9))
-    with pytest.raises(BudgetExceededError, match=r"max_pickle_bytes budget .* --max-pickle-bytes"):
+    with pytest.raises(SnapshotBudgetError, match=r"max_pickle_bytes budget .*--max-pickle-bytes N"):
         load_snapshot(p)
-    load_snapshot(p, budget=SnapshotBudget(max_pickle_bytes=200 << 20))  # raised: loads
+    load_snapshot(p, limits=Limits(max_pickle_bytes=200 << 20))  # raised: loads
+    with override(max_pickle_bytes=200 << 20):  # the same field through --limit / $BUFREUSE_LIMITS
+        load_snapshot(p)
 
 
 def test_shared_reference_trace_over_the_entry_budget_names_the_flag(tmp_path: Path) -> None:
     e = entry("alloc", 4096, 512)
     p = write(tmp_path / "laughs.pickle", {"segments": [], "device_traces": [[e] * 50]})  # 50 references, one dict
-    with pytest.raises(BudgetExceededError, match=r"max_trace_entries budget \(50 > 10\).*--max-trace-entries"):
-        load_snapshot(p, budget=SnapshotBudget(max_trace_entries=10))
+    match = r"trace entries: 50 exceeds the max_trace_entries budget of 10; .*--max-trace-entries"
+    with pytest.raises(SnapshotBudgetError, match=match):
+        load_snapshot(p, limits=Limits(max_trace_entries=10))
     assert len(load_snapshot(p).traces[0]) == 50
 
 
 def test_budget_error_survives_pickling_between_processes() -> None:
-    e = BudgetExceededError("max_blocks", got="5", limit=3, where="f.pickle")
+    e = SnapshotBudgetError("max_blocks", value=5, limit=3, what="f.pickle: segments")
     back = pickle.loads(pickle.dumps(e))
-    assert str(back) == str(e) and back.flag == "--max-blocks" and isinstance(back, InputError)
+    assert type(back) is SnapshotBudgetError and str(back) == str(e)
+    assert (back.budget, back.value, back.limit) == ("max_blocks", 5, 3)
+    assert "--limit max-blocks=N (or --max-blocks N" in str(back)
+    assert isinstance(back, BudgetExceededError) and isinstance(back, SnapshotFormatError)
 
 
 def test_budget_rejects_non_positive_values() -> None:
-    with pytest.raises(InputError, match="--max-trace-entries must be a positive integer"):
-        SnapshotBudget(max_trace_entries=0)
+    with pytest.raises(InputError, match="max-trace-entries=0: must be a whole number >= 1"):
+        Limits().replace(max_trace_entries=0)
+    assert Limits().replace(max_pickle_bytes=None).max_pickle_bytes is None  # auto: from the file's size
+
+
+def test_workers_get_the_limits_in_force(tmp_path: Path) -> None:
+    """Forked workers read the Limits object they are handed, not a context that stays in the parent."""
+    e = entry("alloc", 4096, 512)
+    paths = [str(write(tmp_path / f"r{i}.pickle", {"segments": [], "device_traces": [[e] * 50]})) for i in range(2)]
+    with override(max_trace_entries=10):
+        res = report_files(paths, ReportConfig(), workers=2)
+    assert [r.exit_code for r in res] == [2, 2]
+    assert all("max_trace_entries budget of 10" in str(r.error) for r in res)
+    assert [r.error for r in report_files(paths, ReportConfig(), workers=2)] == [None, None]
 
 
 def test_worker_count_is_capped_by_files_and_cpus() -> None:
@@ -189,3 +208,32 @@ def test_cli_budget_flag_is_named_and_raises_the_budget() -> None:
     assert small.exit_code == 2
     assert "--max-trace-entries" in small.stderr and len(small.stderr.strip().splitlines()) == 1
     assert CliRunner().invoke(app, ["snapshot-report", str(GOOD), "--max-trace-entries", "10000000"]).exit_code == 0
+    # the shorthand and the global flag set the same Limits field: either one raises it, either one lowers it
+    lowered = CliRunner().invoke(app, ["--limit", "max-trace-entries=3", "snapshot-report", str(GOOD)])
+    assert lowered.exit_code == 2 and "max_trace_entries budget of 3" in lowered.stderr
+    raised = ["--limit", "max-trace-entries=3", "snapshot-report", str(GOOD), "--max-trace-entries", "10000000"]
+    assert CliRunner().invoke(app, raised).exit_code == 0
+    both = CliRunner().invoke(app, ["snapshot-report", str(GOOD), str(GOOD), "--max-trace-entries", "3"])
+    assert both.exit_code == 2 and both.stderr.count("max_trace_entries budget of 3") == 2  # workers saw it
+
+
+def test_pending_series_near_2_63_is_exact_and_plots(tmp_path: Path) -> None:
+    """int64 x uint64 is float64 in numpy: three 2^62 pending frees must sum exactly (and still plot)."""
+    import warnings
+
+    from bufreuse.analysis.render.export import png_bytes
+    from bufreuse.analysis.render.plots import timeline_figure
+
+    big = 2**62 + 7
+    trace = []
+    for i in range(3):
+        trace += [entry("alloc", 4096 * (i + 1), big, frames=[USER]), entry("free_requested", 4096 * (i + 1), big)]
+    trace += [entry("free_completed", 4096 * (i + 1), big) for i in range(3)]
+    p = write(tmp_path / "big.pickle", {"segments": [], "device_traces": [trace]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "invalid value encountered in cast"
+        res = analyze_file(str(p), ReportConfig(timeline_points=400))
+        assert res.report is not None and res.timeline is not None
+        (series,) = res.report["pending_free_series"]["sites"].values()
+        assert max(series) == 3 * big == res.report["pending_free_at_max_active_bytes"]
+        assert png_bytes(timeline_figure(res.timeline, title="big"))[:4] == b"\x89PNG"

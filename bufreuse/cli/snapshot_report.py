@@ -27,8 +27,12 @@ from bufreuse.cli._validate import check_output_file
 __all__ = ["register"]
 
 
-def _budget(what: str) -> Any:
-    return typer.Option(min=1, help=f"Budget: {what}", rich_help_panel="Budgets (raise for trusted big files)")
+def _budget(name: str, what: str) -> Any:
+    return typer.Option(
+        min=1,
+        help=f"Budget: {what} Shorthand for --limit {name}=N.",
+        rich_help_panel="Budgets (raise for trusted big files)",
+    )
 
 
 @handle_errors
@@ -62,19 +66,21 @@ def snapshot_report(
             min=1, help="Processes for several files (default and cap: one per file, at most one per CPU, at most 64)."
         ),
     ] = None,
-    max_file_bytes: Annotated[int | None, _budget("bytes of a file on disk (default 4 GiB).")] = None,
+    max_file_bytes: Annotated[int | None, _budget("max-file-bytes", "bytes of a file on disk (default 4 GiB).")] = None,
     max_pickle_bytes: Annotated[
-        int | None, _budget("bytes of a decompressed pickle (default 200 x the gzip file + 64 MiB).")
+        int | None, _budget("max-pickle-bytes", "decompressed pickle bytes (default 200 x gzip file + 64 MiB).")
     ] = None,
-    max_trace_entries: Annotated[int | None, _budget("trace entries, all devices (default 8,000,000).")] = None,
-    max_blocks: Annotated[int | None, _budget("segments plus blocks (default 2,000,000).")] = None,
+    max_trace_entries: Annotated[
+        int | None, _budget("max-trace-entries", "trace entries, all devices (default 8,000,000).")
+    ] = None,
+    max_blocks: Annotated[int | None, _budget("max-blocks", "segments plus blocks (default 2,000,000).")] = None,
     max_memory_bytes: Annotated[
-        int | None, _budget("memory one file may add, bytes (default 1.5 GiB, or 40 per file byte).")
+        int | None, _budget("max-memory-bytes", "memory one file may add (default 1.5 GiB, or 40 per file byte).")
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
+    from bufreuse import limits
     from bufreuse.analysis.snapshot import ReportConfig, combine, parse_category_options, report_files
-    from bufreuse.analysis.snapshot.budget import SnapshotBudget
     from bufreuse.errors import InputError
 
     raised = {
@@ -84,7 +90,7 @@ def snapshot_report(
         "max_blocks": max_blocks,
         "max_memory_bytes": max_memory_bytes,
     }
-    budget = SnapshotBudget(**{k: v for k, v in raised.items() if v is not None})
+    in_force = limits.current().replace(**{k: v for k, v in raised.items() if v is not None})
 
     try:
         cats = parse_category_options(category or [])
@@ -109,7 +115,7 @@ def snapshot_report(
             on_file_done=on_done,
             workers=workers,
             raise_errors=_debug(ctx),
-            budget=budget,
+            limits=in_force,
         )
 
     failed = 0

@@ -187,11 +187,11 @@ def moe_layers_per_chunk(fields: Mapping[str, Any], spec: ScheduleSpec) -> list[
     if isinstance(freq, str):
         try:
             freq = ast.literal_eval(freq)
-        except (ValueError, SyntaxError):
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             raise InputError(
                 f"moe_layer_freq={freq!r} is not an integer or a list; pass --moe-layers-per-chunk"
             ) from None
-    if isinstance(freq, int):
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
         pattern = [1 if i % freq == 0 else 0 for i in range(int(layers))]
     elif isinstance(freq, list) and len(freq) == int(layers):
         pattern = [int(bool(x)) for x in freq]

@@ -34,6 +34,13 @@ __all__ = [
 _GiB = float(1 << 30)
 
 
+def _gib(values: Any) -> Any:
+    """Bytes as GiB floats (exact-int arrays, dtype object, included: matplotlib wants floats)."""
+    import numpy as np
+
+    return np.asarray(values, dtype=np.float64) / _GiB
+
+
 # -- snapshot timeline ----------------------------------------------------------------------------
 
 
@@ -44,19 +51,19 @@ def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
     fig = Figure(figsize=(10, 4.5), dpi=110, layout="constrained")
     ax = fig.add_subplot()
     x = timeline.x
-    ax.plot(x, timeline.reserved / _GiB, color="tab:gray", lw=1.2, drawstyle="steps-post", label="reserved")
+    ax.plot(x, _gib(timeline.reserved), color="tab:gray", lw=1.2, drawstyle="steps-post", label="reserved")
     ax.plot(
         x,
-        timeline.active / _GiB,
+        _gib(timeline.active),
         color="tab:blue",
         lw=1.0,
         drawstyle="steps-post",
         label="active (allocated + pending free)",
     )
     if timeline.pending_by_site:  # the pending-free band, stacked by allocation site
-        low = timeline.allocated / _GiB
+        low = _gib(timeline.allocated)
         for k, (site, b) in enumerate(timeline.pending_by_site.items()):
-            high = low + b / _GiB
+            high = low + _gib(b)
             ax.fill_between(
                 x, low, high, color=f"C{(k + 1) % 10}", alpha=0.5, lw=0, step="post", label=f"pending free: {site}"
             )
@@ -65,7 +72,7 @@ def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
         ax.fill_between(
             x,
             timeline.allocated / _GiB,
-            timeline.active / _GiB,
+            _gib(timeline.active),
             color="tab:orange",
             alpha=0.45,
             lw=0,

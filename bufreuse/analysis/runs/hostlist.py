@@ -3,8 +3,9 @@
 A log line or a ``metrics.json`` / ``job.json`` field can name any number of hosts
 (``n[0-999999999]``); expanding that would take minutes and gigabytes. :func:`parse_hostlist`
 merges each bracket's ranges, counts the hosts from the ranges, and materialises the names only
-up to :data:`MAX_EXPANDED_HOSTS`. Larger sets stay compressed: they compare by their canonical
-expression and are described as ``n[0-999999999] (10^9 hosts)``.
+up to the ``max_hosts`` budget of :class:`bufreuse.limits.Limits` (default 4,096, raised with
+``--limit max-hosts=N``). Larger sets stay compressed: they compare by their canonical expression
+and are described as ``n[0-999999999] (10^9 hosts)``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bufreuse.limits import Limits, current, flag_for
+
 __all__ = ["MAX_EXPANDED_HOSTS", "HostSet", "expand_hostlist", "hosts_from_names", "parse_hostlist"]
 
-MAX_EXPANDED_HOSTS = 4096
-"""Most host names a host list is expanded into; larger lists stay compressed (resource budget)."""
+MAX_EXPANDED_HOSTS = Limits().max_hosts
+"""The default ``max_hosts`` budget (an alias: the budget in force is ``bufreuse.limits.current().max_hosts``)."""
 
 _Range = tuple[int, int, int]  # (lo, hi, width): zero-padded to ``width`` digits
 
@@ -27,7 +30,7 @@ class HostSet:
     expr: str
     count: int
     hosts: tuple[str, ...] | None
-    """The names in list order (duplicates removed), or None when ``count`` > :data:`MAX_EXPANDED_HOSTS`."""
+    """The names in list order (duplicates removed), or None when ``count`` is over the ``max_hosts`` budget."""
 
     def describe(self) -> str:
         """``pool0-[0001-0032] (32 hosts)``, ``n[0-999999999] (10^9 hosts)``."""
@@ -47,8 +50,8 @@ class HostSet:
         return len(a & b), len(a | b)
 
 
-def parse_hostlist(expr: str) -> HostSet:
-    """Parse a SLURM host list without expanding more than :data:`MAX_EXPANDED_HOSTS` names.
+def parse_hostlist(expr: str, *, limits: Limits | None = None) -> HostSet:
+    """Parse a SLURM host list without expanding more names than ``max_hosts`` (``limits``, default: in force).
 
     Raises:
         ValueError: unbalanced brackets or a malformed range.
@@ -57,7 +60,7 @@ def parse_hostlist(expr: str) -> HostSet:
     parts = [_parse_part(p) for p in _split_top(text)]
     count = sum(_part_count(p) for p in parts)
     canonical = ",".join(sorted({_part_text(p) for p in parts}))
-    if count > MAX_EXPANDED_HOSTS:
+    if count > (limits or current()).max_hosts:
         return HostSet(expr=canonical, count=count, hosts=None)
     names = list(dict.fromkeys(name for p in parts for name in _part_names(p)))
     return HostSet(expr=canonical, count=len(names), hosts=tuple(names))
@@ -69,15 +72,19 @@ def hosts_from_names(names: Iterable[str]) -> HostSet:
     return HostSet(expr=",".join(sorted(unique)), count=len(unique), hosts=tuple(unique))
 
 
-def expand_hostlist(expr: str, *, limit: int = MAX_EXPANDED_HOSTS) -> list[str]:
-    """Expand a SLURM host list into host names (zero padding kept), at most ``limit`` of them.
+def expand_hostlist(expr: str, *, limit: int | None = None) -> list[str]:
+    """Expand a SLURM host list into host names (zero padding kept), at most ``limit`` (default ``max_hosts``).
 
     Raises:
         ValueError: malformed, or more than ``limit`` hosts (the message says how many).
     """
-    hs = parse_hostlist(expr)
-    if hs.hosts is None or hs.count > limit:
-        raise ValueError(f"host list {hs.describe()} is larger than {limit} names: not expanded")
+    limits = current() if limit is None else current().replace(max_hosts=limit)
+    hs = parse_hostlist(expr, limits=limits)
+    if hs.hosts is None:
+        raise ValueError(
+            f"host list {hs.describe()} is larger than {limits.max_hosts:,} names: not expanded "
+            f"(raise with {flag_for('max_hosts')})"
+        )
     return list(hs.hosts)
 
 

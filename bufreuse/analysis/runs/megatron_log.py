@@ -24,8 +24,9 @@ from pathlib import Path
 
 from bufreuse.analysis.runs.grammars import FIELDS, TIMING_ATTRS, clean_text, describe_unknown, grammar
 from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
-from bufreuse.analysis.runs.textfile import check_log_text
+from bufreuse.analysis.runs.textfile import LogBudgetError, check, check_log_text
 from bufreuse.errors import LogFormatError
+from bufreuse.limits import Limits, current
 
 __all__ = [
     "MAX_LOG_BYTES",
@@ -39,8 +40,8 @@ __all__ = [
     "steady_iterations",
 ]
 
-MAX_LOG_BYTES = 4 << 30
-"""Most bytes a log (after gzip decompression) is read to (resource budget)."""
+MAX_LOG_BYTES = Limits().max_log_bytes
+"""The default ``max_log_bytes`` budget: bytes a log is read to after gzip decompression (an alias)."""
 
 _ITER_RE = grammar("iteration").pattern
 _MEM_RE = grammar("memory-rank").pattern
@@ -50,7 +51,7 @@ _WORLD_RE = grammar("world-size").pattern
 _CAPTURE_RE = grammar("cuda-graph-capture").pattern
 _NODELIST_RE = grammar("nodelist").pattern
 _JOBID_RE = grammar("jobid").pattern
-_FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(\S+)\s*$")
+_FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(.+?)\s*$")  # a value with spaces is junk, named in a warning
 _AFTER_RE = re.compile(r"after (\d+) iterations")
 _SIZE_RE = re.compile(r"(data|tensor-model|pipeline-model|context|expert-model)-parallel[ -]size:\s*(\d+)")
 _FILE_JOBID_RE = re.compile(r"slurm-(\d+)")
@@ -144,8 +145,20 @@ def _number(text: str) -> float | None:
         return None
 
 
-def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecord]:
-    """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average."""
+_COUNT_ATTRS = ("skipped", "nan")
+
+
+def _is_count(value: float) -> bool:
+    """A finite whole number >= 0: what a skipped / nan iterations field must hold to count."""
+    return math.isfinite(value) and value >= 0 and value == int(value)
+
+
+def _iterations(line: str, lineno: int, pairs: list[int], odd_fields: list[str]) -> list[IterationRecord]:
+    """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average.
+
+    A known field with no usable value (markup or U+FFFD glued to the number, a count that is
+    ``nan``, ``inf``, ``-1`` or ``2.5``) is dropped and named in ``odd_fields``.
+    """
     matches = list(_ITER_RE.finditer(line))
     out = []
     for k, m in enumerate(matches):
@@ -156,12 +169,14 @@ def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecor
             fm = _FIELD_RE.match(piece)
             if not fm or (spec := FIELDS.get(fm.group(1))) is None:
                 continue
-            text = fm.group(2)
+            text = printed = fm.group(2)
             if "/" in text:  # ``current/average``: the window's own value is the current one
                 text = text.partition("/")[0]
                 pairs[0] += 1
             value = _number(text)
-            if value is not None:
+            if value is None or (spec.attr in _COUNT_ATTRS and not _is_count(value)):
+                odd_fields.append(f"line {lineno}: {spec.label!r} is {printed[:40]!r}")
+            else:
                 values[spec.attr] = value * spec.scale
         if not any(a in values for a in TIMING_ATTRS):
             continue
@@ -173,8 +188,8 @@ def _iterations(line: str, lineno: int, pairs: list[int]) -> list[IterationRecor
                 tflops=values.get("tflops"),
                 loss=values.get("loss"),
                 samples_per_s=values.get("samples_per_s"),
-                skipped=int(values.get("skipped", 0) or 0),
-                nan=int(values.get("nan", 0) or 0),
+                skipped=int(values.get("skipped", 0)),
+                nan=int(values.get("nan", 0)),
                 fields=len(values),
                 line=lineno,
             )
@@ -224,10 +239,10 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     by_iteration: dict[int, IterationRecord] = {}
     conflicts: set[int] = set()
     capture_pending = False
-    pairs, odd_memory = [0], []
+    pairs, odd_memory, odd_fields = [0], [], []
     for i, line in enumerate(lines, start=1):
         terminated = i < len(lines) or not log.partial_last_line
-        records = _iterations(line, i, pairs) if "iteration" in line else []
+        records = _iterations(line, i, pairs, odd_fields) if "iteration" in line else []
         for rec in records:
             old = by_iteration.get(rec.iteration)
             if old is not None:
@@ -280,6 +295,11 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
         log.warnings.append(
             f"{len(odd_memory)} 'memory (MB)' line(s) in no known shape ignored (first: line {odd_memory[0]})"
         )
+    if odd_fields:
+        log.warnings.append(
+            f"{len(odd_fields)} iteration field(s) with no usable value ignored (a count must be a whole number"
+            f" >= 0; first: {odd_fields[0]})"
+        )
     if capture_pending:
         log.warnings.append("CUDA-graph capture message with no iteration logged after it")
     if log.job_id is None and (fm := _FILE_JOBID_RE.search(os.path.basename(source))):
@@ -306,17 +326,16 @@ def _set_windows(log: MegatronLog) -> None:
 
 def _read_text(p: Path) -> tuple[str, str | None]:
     """The file's text (gzip sniffed by its magic bytes, not its name) and a warning when cut short."""
+    limit = current().max_log_bytes
     with p.open("rb") as f:
         head = f.read(2)
         f.seek(0)
         if head != b"\x1f\x8b":
-            data = f.read(MAX_LOG_BYTES + 1)
-            if len(data) > MAX_LOG_BYTES:
-                raise LogFormatError(f"{p}: larger than {MAX_LOG_BYTES >> 30} GiB, not read")
+            data = f.read(limit + 1)
+            check("max_log_bytes", len(data), what=f"{p}: bytes")
             return data.decode("utf-8", errors="replace"), None
-        raw = f.read()
-    if len(raw) > MAX_LOG_BYTES:
-        raise LogFormatError(f"{p}: larger than {MAX_LOG_BYTES >> 30} GiB, not read")
+        raw = f.read(limit + 1)
+    check("max_log_bytes", len(raw), what=f"{p}: gzip bytes")
     out: list[bytes] = []
     size, cut, buf = 0, None, raw
     try:
@@ -326,8 +345,10 @@ def _read_text(p: Path) -> tuple[str, str | None]:
                 chunk = d.decompress(buf, 1 << 24)
                 buf = d.unconsumed_tail
                 size += len(chunk)
-                if size > MAX_LOG_BYTES:
-                    raise LogFormatError(f"{p}: decompresses to more than {MAX_LOG_BYTES >> 30} GiB, not read")
+                if size > limit:
+                    raise LogBudgetError(
+                        "max_log_bytes", value=f"more than {limit:,}", limit=limit, what=f"{p}: decompressed bytes"
+                    )
                 out.append(chunk)
                 if not chunk and not buf:
                     cut = f"gzip stream ends early (a cut file): read the {size:,} bytes it holds"

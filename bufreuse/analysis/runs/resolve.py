@@ -26,7 +26,7 @@ from bufreuse.analysis.runs.comparability import run_config
 from bufreuse.analysis.runs.hostlist import HostSet, hosts_from_names, parse_hostlist
 from bufreuse.analysis.runs.megatron_log import describe_dropped, parse_log, steady_iterations
 from bufreuse.analysis.runs.record import MIB, RunRecord
-from bufreuse.config import BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch
+from bufreuse.config import BUFFERS, BufReuseConfig, check_field_types, static_bounds, tokens_per_microbatch
 from bufreuse.errors import ConfigError, InputError, LogFormatError
 from bufreuse.fsutil import read_json
 from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
@@ -225,6 +225,11 @@ def _rings_from_args(args: dict[str, str], run: RunRecord) -> None:
             run.ring_slots[name] = knobs.slots(key)
     path = _dispatch_path(cfg)
     if not run.ring_slots or path is None:
+        return
+    try:  # a printed size that is no number (markup, U+FFFD glued to it, inf): no bound, said so
+        check_field_types(cfg, "Megatron arguments in the log")
+    except ConfigError as e:
+        run.warnings.append(f"{e}; ring slot bytes not derived")
         return
     tokens = tokens_per_microbatch(cfg, seq_length=cfg.get("seq_length"), micro_batch_size=cfg.get("micro_batch_size"))
     bounds = {BUFFERS[key]: b for key, b in static_bounds(cfg, knobs, path=path, tokens=tokens).items()}

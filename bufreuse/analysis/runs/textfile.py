@@ -1,10 +1,11 @@
 """Read a training log that may be anything: binary junk, gzip, invalid UTF-8, one gigantic line.
 
 The guard sits at file-open level, before any grammar sees the text: a gzip'd log is inflated
-(within the size budget), a binary file or a line longer than any real log line is refused with
-one :class:`~bufreuse.errors.LogFormatError`, and undecodable bytes become U+FFFD (a log cut
-mid-character by a killed job must still parse). A number of a thousand digits is refused here
-too: no grammar can use it, and ``int()`` of one past 4,300 digits raises.
+(within the ``max_log_bytes`` budget), a binary file or a line longer than any real log line
+(``max_log_line_bytes``) is refused with one :class:`~bufreuse.errors.LogFormatError`, and
+undecodable bytes become U+FFFD (a log cut mid-character by a killed job must still parse). A
+number of a thousand digits is refused here too: no grammar can use it, and ``int()`` of one past
+4,300 digits raises.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import zlib
 from pathlib import Path
 
 from bufreuse.errors import LogFormatError
+from bufreuse.limits import BudgetExceededError, Limits, current
 
-__all__ = ["MAX_DIGITS", "MAX_LINE_CHARS", "MAX_LOG_BYTES", "check_log_text", "read_log_text"]
+__all__ = ["MAX_DIGITS", "MAX_LINE_CHARS", "MAX_LOG_BYTES", "LogBudgetError", "check_log_text", "read_log_text"]
 
-MAX_LOG_BYTES = 2 << 30
-"""Bytes of (decompressed) log read; a Megatron log of a month-long run is a few hundred MiB."""
-MAX_LINE_CHARS = 1 << 20
-"""Characters in one line; Megatron's longest (the argument dump) is tens of KiB."""
+MAX_LOG_BYTES = Limits().max_log_bytes
+"""The default ``max_log_bytes`` budget (an alias; the one in force is ``bufreuse.limits.current()``)."""
+MAX_LINE_CHARS = Limits().max_log_line_bytes
+"""The default ``max_log_line_bytes`` budget (an alias, as above)."""
 MAX_DIGITS = 1000
 """Digits in one number; Python refuses to parse ints past 4,300 and no log figure has 1,000."""
 _HUGE_NUMBER = re.compile(rf"\d{{{MAX_DIGITS}}}")
@@ -30,14 +32,20 @@ _SNIFF = 64 << 10
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def read_log_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_LOG_BYTES) -> str:
+class LogBudgetError(BudgetExceededError, LogFormatError):
+    """A log over a budget: a budget error (names ``--limit``) and a refused log both."""
+
+
+def read_log_text(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> str:
     """The text of one log file, plain or gzip.
 
     Raises:
-        LogFormatError: missing or unreadable, over ``max_bytes``, a corrupt gzip stream, binary
-            (NUL bytes or mostly control bytes near the start), or a line over ``MAX_LINE_CHARS``.
+        LogFormatError: missing or unreadable, over ``max_bytes`` (default: the ``max_log_bytes``
+            budget), a corrupt gzip stream, binary (NUL bytes or mostly control bytes near the
+            start), or a line over the ``max_log_line_bytes`` budget.
     """
     p = Path(path)
+    max_bytes = current().max_log_bytes if max_bytes is None else max_bytes
     try:
         with open(p, "rb") as f:
             magic = f.read(2)
@@ -58,7 +66,7 @@ def read_log_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_LOG_BYTE
     except (EOFError, zlib.error) as e:
         raise LogFormatError(f"{p}: truncated or corrupt gzip stream ({type(e).__name__})") from None
     if len(data) > max_bytes:
-        raise LogFormatError(f"{p}: more than {max_bytes:,} bytes of log; not read")
+        raise LogBudgetError("max_log_bytes", value=f"more than {max_bytes:,}", limit=max_bytes, what=f"{p}: bytes")
     return check_log_text(p, data.decode("utf-8", errors="replace"))
 
 
@@ -76,6 +84,12 @@ def check_log_text(p: Path, text: str) -> str:
         line = text.count("\n", 0, m.start()) + 1
         raise LogFormatError(f"{p}: a number of {MAX_DIGITS:,}+ digits at line {line}; not a training log")
     longest = max(map(len, text.splitlines()), default=0)
-    if longest > MAX_LINE_CHARS:
-        raise LogFormatError(f"{p}: a line of {longest:,} characters (at most {MAX_LINE_CHARS:,}); not a training log")
+    check("max_log_line_bytes", longest, what=f"{p}: characters in one line")
     return text
+
+
+def check(budget: str, value: int, *, what: str) -> None:
+    """:func:`bufreuse.limits.check` for a log (the budgets in force), raising :class:`LogBudgetError`."""
+    from bufreuse import limits
+
+    limits.check(budget, value, what=what, error=LogBudgetError)

@@ -3,7 +3,9 @@
 :func:`report_file` returns the ``--json`` object of one file; :func:`report_files` reports several
 (forked worker processes, at most one per file and per CPU) and keeps a bad file's error next to
 the others' reports, even when a worker dies; :func:`combine` gives min / median / max of the
-headline figures, naming the worst file. Every file is read within a :class:`~.budget.SnapshotBudget`.
+headline figures, naming the worst file. Every file is read within the snapshot budgets of a
+:class:`bufreuse.limits.Limits`, resolved in the calling process and handed to the workers (the
+:func:`bufreuse.limits.override` context does not cross processes).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bufreuse.analysis.snapshot.budget import BudgetExceededError, SnapshotBudget, memory_limit
+from bufreuse.analysis.snapshot.budget import SnapshotBudgetError, memory_for, memory_limit
 from bufreuse.analysis.snapshot.load import load_snapshot
 from bufreuse.analysis.snapshot.report import ReportConfig, Timeline, analyze
 from bufreuse.analysis.snapshot.unpickle import ProgressFn
 from bufreuse.errors import InputError, exit_code_for
+from bufreuse.limits import Limits, current
 
 __all__ = [
     "COMBINED_FIGURES",
@@ -76,25 +79,25 @@ def report_file(
     *,
     categories: dict[str, str] | None = None,
     config: ReportConfig | None = None,
-    budget: SnapshotBudget | None = None,
+    limits: Limits | None = None,
 ) -> dict[str, Any]:
     """The ``--json`` object for one file.
 
     Raises:
         SnapshotFormatError: the file is unreadable or malformed.
-        BudgetExceededError: the file needs more than ``budget`` allows.
+        SnapshotBudgetError: the file needs more than ``limits`` (default: in force) allows.
     """
     config = config or ReportConfig()
-    budget = budget or SnapshotBudget()
+    limits = limits or current()
     if categories:
         config = ReportConfig(
             categories={**config.categories, **categories}, site_frame=config.site_frame, site_skip=config.site_skip
         )
-    with _gc_paused(), _memory_for(path, budget):
+    with _gc_paused(), _memory_for(path, limits):
         try:
-            return analyze(load_snapshot(path, budget=budget), config)[0]
+            return analyze(load_snapshot(path, limits=limits), config)[0]
         except MemoryError:
-            raise _memory_error(path, budget) from None
+            raise _memory_error(path, limits) from None
 
 
 def _file_bytes(path: str | os.PathLike[str]) -> int:
@@ -104,15 +107,16 @@ def _file_bytes(path: str | os.PathLike[str]) -> int:
         return 0
 
 
-def _memory_for(path: str | os.PathLike[str], budget: SnapshotBudget) -> Any:
+def _memory_for(path: str | os.PathLike[str], limits: Limits) -> Any:
     """The memory limit for reading and analysing ``path`` (gzip files get ten times their bytes)."""
-    size = _file_bytes(path)
-    return memory_limit(budget.memory_for(size * 10))
+    return memory_limit(memory_for(limits, _file_bytes(path) * 10))
 
 
-def _memory_error(path: str | os.PathLike[str], budget: SnapshotBudget) -> BudgetExceededError:
-    limit = budget.memory_for(_file_bytes(path) * 10)
-    return BudgetExceededError("max_memory_bytes", got="more", limit=limit, where=f"{path}: analysing the snapshot")
+def _memory_error(path: str | os.PathLike[str], limits: Limits) -> SnapshotBudgetError:
+    limit = memory_for(limits, _file_bytes(path) * 10)
+    return SnapshotBudgetError(
+        "max_memory_bytes", value="needs more memory", limit=limit, what=f"{path}: analysing the snapshot"
+    )
 
 
 def analyze_file(
@@ -121,7 +125,7 @@ def analyze_file(
     progress: ProgressFn | None = None,
     *,
     raise_errors: bool = False,
-    budget: SnapshotBudget | None = None,
+    limits: Limits | None = None,
 ) -> FileResult:
     """Report one file, turning any failure into ``FileResult.error`` (one line naming the file).
 
@@ -129,13 +133,13 @@ def analyze_file(
     (exit code 1), still confined to this file. ``raise_errors=True`` lets the exception propagate
     instead (``--debug``).
     """
-    budget = budget or SnapshotBudget()
+    limits = limits or current()
     try:
         try:
-            with _gc_paused(), _memory_for(path, budget):
-                report, timeline = analyze(load_snapshot(path, progress=progress, budget=budget), config)
+            with _gc_paused(), _memory_for(path, limits):
+                report, timeline = analyze(load_snapshot(path, progress=progress, limits=limits), config)
         except MemoryError:
-            raise _memory_error(path, budget) from None
+            raise _memory_error(path, limits) from None
         return FileResult(file=str(path), report=report, timeline=timeline)
     except Exception as e:
         if raise_errors:
@@ -166,17 +170,18 @@ def report_files(
     on_file_done: Callable[[FileResult], None] | None = None,
     workers: int | None = None,
     raise_errors: bool = False,
-    budget: SnapshotBudget | None = None,
+    limits: Limits | None = None,
 ) -> list[FileResult]:
     """Report several files (forked workers when more than one), results in input order.
 
     A file that fails is a ``FileResult`` with ``error`` set; the others are reported. ``workers``
     is capped at :func:`worker_count` (files and CPUs). A worker that dies (killed for memory, say)
-    takes only its own file: the files it left are retried one per fresh process.
+    takes only its own file: the files it left are retried one per fresh process. ``limits``
+    (default: those in force here) is passed to every worker as an object.
     """
-    budget = budget or SnapshotBudget()
+    limits = limits or current()
     if len(paths) == 1:
-        res = [analyze_file(paths[0], config, progress, raise_errors=raise_errors, budget=budget)]
+        res = [analyze_file(paths[0], config, progress, raise_errors=raise_errors, limits=limits)]
         if on_file_done:
             on_file_done(res[0])
         return res
@@ -194,7 +199,7 @@ def report_files(
 
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
         futs = {
-            pool.submit(analyze_file, p, config, raise_errors=raise_errors, budget=budget): i
+            pool.submit(analyze_file, p, config, raise_errors=raise_errors, limits=limits): i
             for i, p in enumerate(paths)
         }
         for fut in as_completed(futs):
@@ -205,7 +210,7 @@ def report_files(
     for i in sorted(broken):  # one process each: the file that kills its worker is the one reported
         with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
             try:
-                res = pool.submit(analyze_file, paths[i], config, raise_errors=raise_errors, budget=budget).result()
+                res = pool.submit(analyze_file, paths[i], config, raise_errors=raise_errors, limits=limits).result()
             except BrokenProcessPool:
                 res = FileResult(
                     file=paths[i],

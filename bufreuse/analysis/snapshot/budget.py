@@ -1,112 +1,77 @@
-"""Resource budgets for reading a snapshot someone else wrote: bytes, entries, blocks and memory.
+"""What the snapshot loader reads from :class:`bufreuse.limits.Limits`, and the memory cap it loads under.
 
 A snapshot file is untrusted input: a few kilobytes of pickle can declare a gigabyte string, grow
 the unpickler's memo table to gigabytes, or repeat one shared trace entry thirty million times.
-Each budget here is named, has a default that admits the largest real snapshots (torch's
-``_dump_snapshot`` of a 5M-entry trace, a 4 GB file), and is raised by one CLI flag; past a budget
-the loader raises :class:`BudgetExceededError` naming the budget, the figure and the flag.
+Its budgets are fields of the project's one :class:`~bufreuse.limits.Limits` (``max_file_bytes``,
+``max_pickle_bytes``, ``max_trace_entries``, ``max_blocks``, ``max_memory_bytes``,
+``memory_per_file_byte``), with defaults that admit the largest real snapshots (torch's
+``_dump_snapshot`` of a 5M-entry trace, a 4 GB file), raised by ``--limit NAME=N`` or by
+``snapshot-report``'s shorthand flags (:data:`SHORTHANDS`). Past one the loader raises
+:class:`SnapshotBudgetError`: a :class:`~bufreuse.limits.BudgetExceededError` and a
+:class:`~bufreuse.errors.SnapshotFormatError` both (a refused budget is a refused snapshot).
 
 The C unpickler has no per-opcode hook (and a Python one would cost minutes on a 4 GB file), so
 objects and memo entries are bounded by memory rather than counted: while a file loads and is
 analysed, :func:`memory_limit` lowers the process's data-segment limit (``RLIMIT_DATA``, Linux) to
 what the process uses now plus the memory budget, turning any allocation bomb into a
-``MemoryError`` that the loader reports as this budget. The limit is restored on exit.
-
-Designed to fold into ``bufreuse.limits``: the same shape (named budgets with defaults, each
-with the flag that raises it) and an error subclassing :class:`bufreuse.errors.InputError`.
+``MemoryError`` that the loader reports as that budget. The limit is restored on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from typing import ClassVar
 
-from bufreuse.errors import InputError, SnapshotFormatError
+from bufreuse import limits as _limits
+from bufreuse.errors import SnapshotFormatError
+from bufreuse.limits import Limits
 
-__all__ = ["BUDGET_FLAGS", "GZIP_EXPANSION", "BudgetExceededError", "SnapshotBudget", "memory_limit"]
+__all__ = [
+    "GZIP_EXPANSION",
+    "SHORTHANDS",
+    "SnapshotBudgetError",
+    "check",
+    "memory_for",
+    "memory_limit",
+    "pickle_bytes_for",
+]
 
 _GiB = 1 << 30
 GZIP_EXPANSION = 200
-"""Decompressed bytes per compressed byte a gzip snapshot may reach unless ``--max-pickle-bytes`` says."""
+"""Decompressed bytes per compressed byte a gzip snapshot may reach unless ``max_pickle_bytes`` is set."""
 
-BUDGET_FLAGS: dict[str, str] = {
+SHORTHANDS: dict[str, str] = {
     "max_file_bytes": "--max-file-bytes",
     "max_pickle_bytes": "--max-pickle-bytes",
     "max_trace_entries": "--max-trace-entries",
     "max_blocks": "--max-blocks",
     "max_memory_bytes": "--max-memory-bytes",
 }
-"""Budget field -> the CLI flag that raises it (``snapshot-report``)."""
+"""Limits field -> ``snapshot-report``'s shorthand flag that sets it (``--limit NAME=N`` works everywhere)."""
 
 
-class BudgetExceededError(SnapshotFormatError):
-    """An input needs more than a budget allows; the message names the budget, the figure and the flag.
+class SnapshotBudgetError(_limits.BudgetExceededError, SnapshotFormatError):
+    """A snapshot needs more than a budget allows: a budget error and a refused snapshot both."""
 
-    Pickles across processes (the batch's workers send it back), so its fields are rebuilt from args.
-    """
-
-    def __init__(self, budget: str, *, got: int | str, limit: int, where: str = "", flag: str | None = None) -> None:
-        self.budget = budget
-        self.got = got
-        self.limit = limit
-        self.where = where
-        self.flag = flag or BUDGET_FLAGS.get(budget, f"--{budget.replace('_', '-')}")
-        prefix = f"{where}: " if where else ""
-        super().__init__(
-            f"{prefix}over the {budget} budget ({got} > {limit:,}); raise it with {self.flag} if the file is trusted"
-        )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild, (self.budget, self.got, self.limit, self.where, self.flag))
+    SHORTHANDS: ClassVar[dict[str, str]] = SHORTHANDS
 
 
-def _rebuild(budget: str, got: int | str, limit: int, where: str, flag: str) -> BudgetExceededError:
-    return BudgetExceededError(budget, got=got, limit=limit, where=where, flag=flag)
+def check(budget: str, value: int, *, what: str, limits: Limits) -> None:
+    """:func:`bufreuse.limits.check`, raising :class:`SnapshotBudgetError`."""
+    _limits.check(budget, value, what=what, limits=limits, error=SnapshotBudgetError)
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class SnapshotBudget:
-    """How much one snapshot file may cost to read; every field is raised by its flag in ``BUDGET_FLAGS``."""
+def pickle_bytes_for(limits: Limits, file_bytes: int) -> int:
+    """The decompressed-bytes budget for a gzip file of ``file_bytes`` (``max_pickle_bytes``, or auto)."""
+    if limits.max_pickle_bytes is not None:
+        return limits.max_pickle_bytes
+    return min(64 * _GiB, GZIP_EXPANSION * file_bytes + (64 << 20))
 
-    max_file_bytes: int = 4 * _GiB
-    """Bytes of the file on disk (``--max-file-bytes``)."""
-    max_pickle_bytes: int | None = None
-    """Bytes of pickle after gzip decompression (``--max-pickle-bytes``): stops gzip bombs. None:
-    ``GZIP_EXPANSION`` times the file plus 64 MiB (real snapshots compress 5-30x), at most 64 GiB."""
-    max_trace_entries: int = 8_000_000
-    """Trace entries over all devices (``--max-trace-entries``); 5M-entry recordings fit."""
-    max_blocks: int = 2_000_000
-    """Segments plus blocks in the final state (``--max-blocks``)."""
-    max_memory_bytes: int = 1536 << 20
-    """Memory the load and the analysis may add (``--max-memory-bytes``); the floor for any file."""
-    memory_per_file_byte: int = 40
-    """Memory allowed per byte of (decompressed) file above the floor: big real files need it."""
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is None and f.name == "max_pickle_bytes":
-                continue
-            if type(v) is not int or v <= 0:
-                flag = BUDGET_FLAGS.get(f.name, f.name)
-                raise InputError(f"{flag} must be a positive integer, got {v!r}")
-
-    def pickle_bytes_for(self, file_bytes: int) -> int:
-        """The decompressed-bytes budget for a gzip file of ``file_bytes``."""
-        if self.max_pickle_bytes is not None:
-            return self.max_pickle_bytes
-        return min(64 * _GiB, GZIP_EXPANSION * file_bytes + (64 << 20))
-
-    def memory_for(self, file_bytes: int) -> int:
-        """The memory budget for a file of ``file_bytes``: the floor, or more for big files."""
-        return max(self.max_memory_bytes, self.memory_per_file_byte * file_bytes)
-
-    def check(self, budget: str, got: int, *, where: str = "") -> None:
-        """Raise :class:`BudgetExceededError` when ``got`` is over the budget field ``budget``."""
-        limit = getattr(self, budget)
-        if got > limit:
-            raise BudgetExceededError(budget, got=f"{got:,}", limit=limit, where=where)
+def memory_for(limits: Limits, file_bytes: int) -> int:
+    """The memory budget for a file of ``file_bytes``: ``max_memory_bytes``, or more for big files."""
+    return max(limits.max_memory_bytes, limits.memory_per_file_byte * file_bytes)
 
 
 def _data_in_use() -> int | None:

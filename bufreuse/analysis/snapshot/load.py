@@ -7,7 +7,7 @@ report uses is range-checked (sizes, addresses, streams in ``[0, 2^64)``, device
 ``MAX_DEVICES``), every container and string type is checked, nothing recurses on the file's depth,
 and every malformed field is a ``SnapshotFormatError`` naming the file, the field path
 (``device_traces[0][12].size``) and the value, shortened. Sizes of entries, segments and blocks are
-bounded by the :class:`~.budget.SnapshotBudget`.
+bounded by the snapshot budgets of :class:`bufreuse.limits.Limits` (see :mod:`.budget`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from bufreuse.analysis.snapshot.budget import SnapshotBudget
+from bufreuse.analysis.snapshot.budget import check
 from bufreuse.analysis.snapshot.schema import ACTIONS, ANNOTATION_ACTIONS, BLOCK_STATES, OTHER, STATE_ALIASES
 from bufreuse.analysis.snapshot.unpickle import ProgressFn, load_pickle_file
 from bufreuse.analysis.snapshot.validate import MAX_DEVICES, U64, check_uint, short
 from bufreuse.errors import SnapshotFormatError
+from bufreuse.limits import Limits, current
 
 __all__ = ["EventTable", "FinalState", "SnapshotData", "load_snapshot", "normalise"]
 
@@ -75,21 +76,22 @@ class SnapshotData:
 
 
 def load_snapshot(
-    path: str | os.PathLike[str], *, progress: ProgressFn | None = None, budget: SnapshotBudget | None = None
+    path: str | os.PathLike[str], *, progress: ProgressFn | None = None, limits: Limits | None = None
 ) -> SnapshotData:
     """Load (restricted unpickler) and normalise one snapshot file; raises ``SnapshotFormatError``.
 
     Raises:
         SnapshotFormatError: the file is unreadable or malformed (the message names the field).
-        BudgetExceededError: the file needs more than ``budget`` allows (names the budget and flag).
+        SnapshotBudgetError: the file needs more than ``limits`` (default: in force) allows; a
+            ``SnapshotFormatError`` too (names the budget and the flags).
     """
-    budget = budget or SnapshotBudget()
-    return normalise(load_pickle_file(path, progress=progress, budget=budget), path=str(path), budget=budget)
+    limits = limits or current()
+    return normalise(load_pickle_file(path, progress=progress, limits=limits), path=str(path), limits=limits)
 
 
-def normalise(raw: Any, *, path: str = "<snapshot>", budget: SnapshotBudget | None = None) -> SnapshotData:
+def normalise(raw: Any, *, path: str = "<snapshot>", limits: Limits | None = None) -> SnapshotData:
     """Validate a loaded snapshot object and turn it into columns; errors name the bad field."""
-    budget = budget or SnapshotBudget()
+    limits = limits or current()
     if isinstance(raw, list):
         segments, traces, fmt = raw, [], "segments-list"
     elif isinstance(raw, dict):
@@ -106,10 +108,10 @@ def normalise(raw: Any, *, path: str = "<snapshot>", budget: SnapshotBudget | No
         for d, t in enumerate(traces):
             if not isinstance(t, list):
                 raise SnapshotFormatError(f"{path}: device_traces[{d}] is {short(t)}, expected a list of entries")
-        budget.check("max_trace_entries", sum(map(len, traces)), where=path)
+        check("max_trace_entries", sum(map(len, traces)), what=f"{path}: trace entries", limits=limits)
     else:
         raise SnapshotFormatError(f"{path}: top level is {short(raw)}, expected a dict or a list of segments")
-    final = _final_state(segments, path, budget)
+    final = _final_state(segments, path, limits)
     tables = {dev: _columns(entries, dev, path) for dev, entries in enumerate(traces) if entries}
     for dev in tables:
         final.setdefault(dev, FinalState())  # every block freed and every segment released
@@ -131,9 +133,9 @@ _WARN_ACTIONS = 8  # unknown actions named in warnings per device (all of them a
 _MAX_UNKNOWN = 1000  # distinct unknown actions kept per device
 
 
-def _final_state(segments: list[Any], path: str, budget: SnapshotBudget) -> dict[int, FinalState]:
+def _final_state(segments: list[Any], path: str, limits: Limits) -> dict[int, FinalState]:
     out: dict[int, FinalState] = {}
-    budget.check("max_blocks", len(segments), where=f"{path}: segments")
+    check("max_blocks", len(segments), what=f"{path}: segments", limits=limits)
     n_blocks = len(segments)
     for i, seg in enumerate(segments):
         where = f"segments[{i}]"
@@ -146,7 +148,7 @@ def _final_state(segments: list[Any], path: str, budget: SnapshotBudget) -> dict
         if not isinstance(blocks, list):
             raise SnapshotFormatError(f"{path}: {where}.blocks is {short(blocks)}, expected a list")
         n_blocks += len(blocks)
-        budget.check("max_blocks", n_blocks, where=f"{path}: segments and blocks")
+        check("max_blocks", n_blocks, what=f"{path}: segments and blocks", limits=limits)
         pool_fig = fs.by_pool.setdefault(_pool_key(seg, where, path), {"reserved_bytes": 0, "active_bytes": 0})
         pool_fig["reserved_bytes"] += total
         fs.reserved += total

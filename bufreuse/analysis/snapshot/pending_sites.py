@@ -40,7 +40,7 @@ class PendingSeries:
 
     index: np.ndarray  # sampled event indices (state after that event)
     sites: list[str]
-    bytes: np.ndarray  # int64, len(sites) x len(index)
+    bytes: np.ndarray  # int64 (exact Python ints, dtype object, where sums could pass 2^63), sites x index
 
     def to_json(self, x: np.ndarray | None = None) -> dict[str, Any]:
         return {
@@ -84,7 +84,14 @@ def pending_series(t: EventTable, r: Replay, rules: SiteRules, picks: np.ndarray
     after_imm = np.zeros(n, dtype=bool)
     after_imm[1:] = imm[:-1]
     ev = np.flatnonzero(((a == FREE_REQ) & ~imm) | ((a == FREE_DONE) & ~after_imm))
-    delta = np.where(a[ev] == FREE_REQ, 1, -1) * t.size[ev]
+    sizes, sign = t.size[ev], np.where(a[ev] == FREE_REQ, 1, -1)
+    # int64 when no running sum can pass 2^63 (int64 x uint64 would silently go float64); else exact ints
+    exact = len(ev) > 0 and int(sizes.max()) > (2**63 - 1) // len(ev)
+    delta = (
+        np.array([s * g for s, g in zip(sizes.tolist(), sign.tolist(), strict=True)], dtype=object)
+        if exact
+        else sign * sizes.astype(np.int64)
+    )
     site_of = frame_site_lookup(rules)
     labels: list[str] = []
     for i, orph in zip(alloc_of[ev].tolist(), orphan[ev].tolist(), strict=True):
@@ -117,5 +124,5 @@ def pending_series(t: EventTable, r: Replay, rules: SiteRules, picks: np.ndarray
     if peaks[k0] or int(np.abs(series[k0]).max(initial=0)):
         sites.append(BEFORE_TRACE_PENDING)
         rows.append(series[k0])
-    out = np.array(rows, dtype=np.int64).reshape(len(rows), len(picks))
+    out = np.array(rows, dtype=object if exact else np.int64).reshape(len(rows), len(picks))
     return PendingSeries(index=picks, sites=sites, bytes=out)

@@ -11,8 +11,8 @@ globals, which plain data never names, so the restriction leaves the C loader's 
 Plain data can still be hostile: a declared length beyond the end of the file, a gzip stream that
 inflates a thousandfold, a memo index that makes the loader allocate gigabytes. The stream the
 unpickler reads is metered (file bytes, decompressed bytes, reads past the end refused) and the
-load runs under :func:`~.budget.memory_limit`, so each ends in a :class:`~.budget.BudgetExceededError`
-or a :class:`SnapshotFormatError`, never in a swapping machine.
+load runs under :func:`~.budget.memory_limit`, so each ends in a :class:`~.budget.SnapshotBudgetError`
+(budgets: :class:`bufreuse.limits.Limits`) or a :class:`SnapshotFormatError`, never in a swapping machine.
 
 Plain and gzip files are told apart by their first two bytes, not by the file name.
 """
@@ -28,8 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bufreuse.analysis.snapshot.budget import BudgetExceededError, SnapshotBudget, memory_limit
+from bufreuse.analysis.snapshot.budget import SnapshotBudgetError, check, memory_for, memory_limit, pickle_bytes_for
 from bufreuse.errors import SnapshotFormatError
+from bufreuse.limits import Limits, current
 
 __all__ = ["GZIP_MAGIC", "RefusedGlobalError", "SafeUnpickler", "load_pickle_file", "loads_restricted"]
 
@@ -57,13 +58,13 @@ class SafeUnpickler(pickle.Unpickler):
         raise RefusedGlobalError("refused a persistent id: a snapshot holds only plain data")
 
 
-def loads_restricted(data: bytes, *, budget: SnapshotBudget | None = None) -> Any:
+def loads_restricted(data: bytes, *, limits: Limits | None = None) -> Any:
     """Unpickle ``data`` (plain or gzip) with :class:`SafeUnpickler`; raises ``pickle``/``OSError`` errors."""
-    budget = budget or SnapshotBudget()
+    limits = limits or current()
     src: Any = io.BytesIO(data)
     if data[:2] == GZIP_MAGIC:
         src = gzip.GzipFile(fileobj=src, mode="rb")
-        src = _MeteredStream(src, limit=budget.pickle_bytes_for(len(data)), end=None, where="<bytes>")
+        src = _MeteredStream(src, limit=pickle_bytes_for(limits, len(data)), end=None, where="<bytes>")
     return SafeUnpickler(src).load()
 
 
@@ -114,8 +115,9 @@ class _MeteredStream:
             self._over(self._done + n)
 
     def _over(self, got: int) -> None:
-        raise BudgetExceededError("max_pickle_bytes", got=f"{got:,} decompressed bytes", limit=self._limit,
-                                  where=self._where)  # fmt: skip
+        raise SnapshotBudgetError(
+            "max_pickle_bytes", value=got, limit=self._limit, what=f"{self._where}: decompressed bytes"
+        )
 
     def _count(self, k: int) -> None:
         self._done += k
@@ -146,9 +148,9 @@ class _MeteredStream:
 
 
 def load_pickle_file(
-    path: str | os.PathLike[str], *, progress: ProgressFn | None = None, budget: SnapshotBudget | None = None
+    path: str | os.PathLike[str], *, progress: ProgressFn | None = None, limits: Limits | None = None
 ) -> Any:
-    """Load a plain or gzip pickle file with :class:`SafeUnpickler`, within ``budget``.
+    """Load a plain or gzip pickle file with :class:`SafeUnpickler`, within ``limits`` (default: in force).
 
     The object graph is built straight from the (buffered) file, so peak memory is the loaded data
     plus one read buffer; ``progress`` is called every few MiB of the file read.
@@ -156,10 +158,10 @@ def load_pickle_file(
     Raises:
         SnapshotFormatError: a missing or empty file, a truncated gzip stream, bytes that are not a
             pickle, a declared length beyond the file, or a pickle that names a global.
-        BudgetExceededError: the file, its decompressed stream or the memory it needs is over
-            ``budget`` (the message names the budget and the flag that raises it).
+        SnapshotBudgetError: the file, its decompressed stream or the memory it needs is over
+            ``limits`` (the message names the budget and the flags that raise it).
     """
-    budget = budget or SnapshotBudget()
+    limits = limits or current()
     path = Path(path)
     try:
         total = path.stat().st_size
@@ -169,18 +171,19 @@ def load_pickle_file(
     try:
         if total == 0:
             raise SnapshotFormatError(f"{path}: empty file, not an allocator snapshot")
-        budget.check("max_file_bytes", total, where=str(path))
+        check("max_file_bytes", total, what=f"{path}: file bytes", limits=limits)
         magic = raw.peek(2)[:2]
         src: Any = raw
         if progress is not None:
             src = io.BufferedReader(_CountingReader(raw, total, progress), buffer_size=1 << 20)
         if magic == GZIP_MAGIC:
             src = gzip.GzipFile(fileobj=src, mode="rb")
-            src = _MeteredStream(src, limit=budget.pickle_bytes_for(total), end=None, where=str(path))
+            src = _MeteredStream(src, limit=pickle_bytes_for(limits, total), end=None, where=str(path))
         else:
             src = _MeteredStream(src, limit=total, end=total, where=str(path))
+        memory = memory_for(limits, total * (10 if magic == GZIP_MAGIC else 1))
         try:
-            with memory_limit(budget.memory_for(total * (10 if magic == GZIP_MAGIC else 1))):
+            with memory_limit(memory):
                 obj = SafeUnpickler(src).load()
                 trailing = magic == GZIP_MAGIC and src.read(1)
             if trailing:
@@ -190,11 +193,11 @@ def load_pickle_file(
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             kind = "truncated or corrupt gzip stream" if magic == GZIP_MAGIC else "truncated pickle"
             raise SnapshotFormatError(f"{path}: {kind} ({type(e).__name__}: {_msg(e) or 'ended early'})") from None
-        except (SnapshotFormatError, BudgetExceededError):
+        except SnapshotFormatError:  # budget errors included
             raise
         except MemoryError:
-            raise BudgetExceededError(
-                "max_memory_bytes", got="more", limit=budget.memory_for(total), where=f"{path}: loading the pickle"
+            raise SnapshotBudgetError(
+                "max_memory_bytes", value="needs more memory", limit=memory, what=f"{path}: loading the pickle"
             ) from None
         except RecursionError:
             raise SnapshotFormatError(f"{path}: pickle nested too deep to load") from None
