@@ -445,7 +445,11 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
     etp = int(_get(cfg, "expert_tensor_parallel_size", None) or 1)
     out = {}
     for buf in knobs.enabled():
-        r = rows if buf == "dispatch" else rows * etp
+        r, src = (rows, source) if buf == "dispatch" else (rows * etp, source)
+        pad = expert_pad_rows(cfg, path) if buf == "expert" else 0
+        if pad:
+            r += pad
+            src += f"; + {pad} FP8/FP4 pad rows (TE grouped experts pad each local expert's split inside)"
         slots = knobs.slots(buf)
         out[buf] = BufferBound(
             buffer=buf,
@@ -453,9 +457,28 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
             hidden=hidden,
             element_size=_element_size(cfg),
             slots=slots if isinstance(slots, int) else 0,
-            source=source,
+            source=src,
         )
     return out
+
+
+def expert_pad_rows(cfg: Any, path: str) -> int:
+    """Rows the FC2 output gains when megatron's ``TEGroupedMLP`` pads FP8/FP4 splits itself (all-to-all).
+
+    Without router-side padding (``moe_router_padding_for_quantization``) the experts round each local
+    expert's split up to the quantization alignment (``Fp8Padding``), so TE's FC2 writes up to
+    ``local experts x (alignment - 1)`` more rows than the dispatch delivered (H200, TE 2.20.2: the ring
+    bound of the 2026-12-03 FP8 runs).
+    """
+    quantized = _get(cfg, "fp8", None) or _get(cfg, "fp4", None)
+    if path != "alltoall" or not quantized or not _get(cfg, "moe_grouped_gemm", False):
+        return 0
+    if _get(cfg, "moe_router_padding_for_quantization", False) or _get(cfg, "moe_router_padding_for_fp8", False):
+        return 0
+    experts = int(_get(cfg, "num_moe_experts", 1) or 1)
+    ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
+    align = 128 if _get(cfg, "fp4", None) else _quant_alignment(cfg)
+    return max(1, experts // ep) * max(0, align - 1)
 
 
 def persistent_bytes(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None) -> int:

@@ -8,6 +8,7 @@
 #   F-round1.{txt,json}, F-round2.{txt,json}   each round's control vs rings
 #   F-drift.{txt,json}       F-control-1 vs F-control-2 (the noise floor: same config, later in time)
 #   F-losses.{txt,json}      scripts/compare_losses.py, control vs rings per round, iteration by iteration
+#   F-losses-drift.{txt,json} F-control-1 vs F-control-2 losses (the loss noise floor of the same config)
 # Exit status: 0 when every command ran (whatever the verdicts or loss differences), 1 when a run or a
 # comparison failed (a run that exits non-zero, a log compare cannot read).
 set -uo pipefail
@@ -55,5 +56,11 @@ for f in "${families[@]}"; do
   [ $? -le 1 ] || status=1  # 1 = losses differ: a finding, reported in F-losses.txt, not a failed command
   echo "== $f-losses"
   cat "$out/$f-losses.txt"
+  # the loss noise floor: the same configuration twice (TE's kernels are not bit-reproducible run to run)
+  python3 scripts/compare_losses.py --json "$out/$f-losses-drift.json" "${logs[0]}" "${logs[2]}" \
+    >"$out/$f-losses-drift.txt" 2>&1
+  [ $? -le 1 ] || status=1
+  echo "== $f-losses-drift"
+  tail -1 "$out/$f-losses-drift.txt"
 done
 exit $status

@@ -443,3 +443,22 @@ def test_resolve_sweep_flops_per_step_gives_per_step_throughput(tmp_path: Path) 
     median = comp.metric("tflops_median")
     assert median.verdict == "parity" and median.ci_low is not None
     assert all(m.metric != "tflops" for m in comp.metrics)
+
+
+H200_TE = Path(__file__).parents[1] / "examples" / "megatron-h200" / "h200-2026-12-03-te"
+
+
+@pytest.mark.parametrize("family", ["te", "te-fp8"])
+def test_compare_ring_bytes_equal_what_install_registered_on_the_h200(family: str) -> None:
+    """Real Megatron-LM + TE logs (H200, 2026-12-03): the slot bytes ``compare`` derives from the printed
+    arguments equal the ``persistent bytes`` line ``install()`` wrote in the same log (FP8: pad rows included)."""
+    import re
+
+    log = H200_TE / f"{family}-rings-1.log"
+    (run,) = resolve_runs([str(log)], warmup=5)
+    line = next(x for x in log.read_text().splitlines() if "bufreuse-megatron: hooked" in x)
+    registered = {k: int(v) for k, v in re.findall(r"(\w+_output)=(\d+)", line)}
+    derived = {name: run.ring_slot_bytes[name] * run.ring_slots[name] for name in registered}
+    assert derived == registered
+    if family == "te-fp8":
+        assert registered["expert_fc2_output"] > registered["dispatch_output"]  # 8 experts x 15 FP8 pad rows

@@ -352,3 +352,18 @@ def test_every_rule_on_megatron_core_016_field_set() -> None:
         if case["both"] and case["path"] == "hybridep":
             expected.add("te_op_fuser")  # expert reuse on HybridEP cannot be met on 0.16
         assert set(unmet) == expected, (case, unmet)
+
+
+def test_expert_bound_includes_fp8_pad_rows_of_te_grouped_experts() -> None:
+    from bufreuse.config import BufReuseConfig, expert_pad_rows, static_bounds
+
+    cfg = {"moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2, "hidden_size": 1024,
+           "fp8": "hybrid", "moe_grouped_gemm": True, "bf16": True}  # fmt: skip
+    assert expert_pad_rows(cfg, "alltoall") == 8 * 15
+    assert expert_pad_rows({**cfg, "moe_router_padding_for_quantization": True}, "alltoall") == 0
+    assert expert_pad_rows({**cfg, "fp8": None}, "alltoall") == 0
+    assert expert_pad_rows({**cfg, "expert_model_parallel_size": 4}, "alltoall") == 2 * 15
+    knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=2,
+                           moe_hybridep_num_expert_output_buffers=2)  # fmt: skip
+    b = static_bounds(cfg, knobs, path="alltoall", tokens=2048)
+    assert (b["dispatch"].rows, b["expert"].rows) == (4096, 4096 + 120) and "pad rows" in b["expert"].source

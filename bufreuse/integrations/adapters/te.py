@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from bufreuse.config import _quant_alignment, static_bounds
+from bufreuse.config import static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.adapters.hybridep import is_hybridep_layer
 from bufreuse.integrations.core import (
@@ -135,11 +135,7 @@ class TEGroupedAdapter:
         cfg = layer.config
         path = "hybridep" if is_hybridep_layer(layer) else "alltoall"
         bound = static_bounds(cfg, installation.knobs, path=path, tokens=installation.tokens)["expert"]
-        fused = path == "hybridep" or te_fused_impl(layer.experts)
-        if not fused and _pads_inside_experts(cfg):
-            # FC2 writes the padded rows: each local expert's split rounds up to the quantization alignment.
-            align = 128 if getattr(cfg, "fp4", None) else _quant_alignment(cfg)
-            bound.rows += layer.experts.num_local_experts * (align - 1)
+        fused = path == "hybridep" or te_fused_impl(layer.experts)  # FP8 pad rows: in the bound (config)
         installation.register("expert", bound, getattr(cfg, "params_dtype", torch.float32), cfg)
         if path == "hybridep":
             _hook_fused_hybridep(installation, layer)
