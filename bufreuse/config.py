@@ -462,6 +462,16 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
     return out
 
 
+def pads_inside_experts(cfg: Any) -> bool:
+    """Whether megatron's ``TEGroupedMLP`` pads FP8/FP4 splits itself (``Fp8Padding``/``Fp8Unpadding``):
+    quantized grouped experts without router-side padding (``moe_router_padding_for_quantization``)."""
+    quantized = _get(cfg, "fp8", None) or _get(cfg, "fp4", None)
+    router_pads = _get(cfg, "moe_router_padding_for_quantization", False) or _get(
+        cfg, "moe_router_padding_for_fp8", False
+    )
+    return bool(quantized) and bool(_get(cfg, "moe_grouped_gemm", False)) and not router_pads
+
+
 def expert_pad_rows(cfg: Any, path: str) -> int:
     """Rows the FC2 output gains when megatron's ``TEGroupedMLP`` pads FP8/FP4 splits itself (all-to-all).
 
@@ -470,10 +480,7 @@ def expert_pad_rows(cfg: Any, path: str) -> int:
     ``local experts x (alignment - 1)`` more rows than the dispatch delivered (H200, TE 2.20.2: the ring
     bound of the 2026-12-03 FP8 runs).
     """
-    quantized = _get(cfg, "fp8", None) or _get(cfg, "fp4", None)
-    if path != "alltoall" or not quantized or not _get(cfg, "moe_grouped_gemm", False):
-        return 0
-    if _get(cfg, "moe_router_padding_for_quantization", False) or _get(cfg, "moe_router_padding_for_fp8", False):
+    if path != "alltoall" or not pads_inside_experts(cfg):
         return 0
     experts = int(_get(cfg, "num_moe_experts", 1) or 1)
     ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)

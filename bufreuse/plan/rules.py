@@ -54,6 +54,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bufreuse.config import pads_inside_experts
+
 __all__ = [
     "REFUSALS",
     "Refusal",
@@ -272,12 +274,6 @@ def _expert(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, .
         return ReleasePoint.FORWARD, "HybridEP combine's forward is the final reader of the FC2 output", ()
     if path == "alltoall" and _get(cfg, "deterministic_mode", False):
         _, ep, etp = _parallel(cfg)
-        quantized = bool(_get(cfg, "fp8", None) or _get(cfg, "fp4", None))
-        pads_inside = (
-            quantized
-            and bool(_get(cfg, "moe_grouped_gemm", False))
-            and not _get(cfg, "moe_router_padding_for_quantization", False)
-        )
         if ep > 1 or etp > 1 or _local_sort_copies(cfg):
             return (
                 ReleasePoint.FORWARD,
@@ -285,7 +281,7 @@ def _expert(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, .
                 "EP > 1, the expert-TP reduce-scatter, or the local-expert unsort)",
                 ("deterministic_mode", *_PARALLEL_FIELDS),
             )
-        if pads_inside:
+        if pads_inside_experts(cfg):
             return (
                 _DATA_DEPENDENT_BACKWARD,
                 "deterministic_mode with FP8/FP4 TE experts that pad inside: Fp8Unpadding copies the FC2 output "

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from bufreuse.config import static_bounds
+from bufreuse.config import pads_inside_experts, static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.adapters.hybridep import is_hybridep_layer
 from bufreuse.integrations.core import (
@@ -112,7 +112,7 @@ class TEGroupedAdapter:
                 require_fused_output_buffer(experts, experts_mod)
             except ConfigError as e:
                 return [str(e)]
-            if not is_hybridep_layer(layer) and _pads_inside_experts(cfg):
+            if not is_hybridep_layer(layer) and pads_inside_experts(cfg):
                 return [
                     "the op-fuser grouped MLP pads FP8/FP4 rows inside the experts on the all-to-all path, so its FC2 "
                     "output is not the layer's: set moe_router_padding_for_quantization=True"
@@ -152,12 +152,6 @@ def _alltoall_te_layer(layer: Any) -> bool:
     return isinstance(getattr(layer, "token_dispatcher", None), MoEAlltoAllTokenDispatcher) and isinstance(
         getattr(layer, "experts", None), TEGroupedMLP
     )
-
-
-def _pads_inside_experts(cfg: Any) -> bool:
-    """Whether ``TEGroupedMLP`` pads FP8/FP4 rows itself (megatron's ``skip_routed_expert_padding`` is False)."""
-    quantized = getattr(cfg, "fp8", None) or getattr(cfg, "fp4", None)
-    return bool(quantized) and not getattr(cfg, "moe_router_padding_for_quantization", False)
 
 
 def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue: deque[Held]) -> Any:
