@@ -18,8 +18,8 @@ from fakes import te_grouped_linear as te
 
 from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.features import deepep_output_token, te_grouped_output
-from bufreuse.integrations.hybridep import dispatch_into_pool, dispatch_with_output_token
-from bufreuse.integrations.te import grouped_linear_into, output_buffer_op_kwargs
+from bufreuse.integrations.hybridep.output_token import dispatch_into_pool, dispatch_with_output_token
+from bufreuse.integrations.te.out_route import grouped_linear_into, output_buffer_op_kwargs
 from bufreuse.pool import BufferPool
 
 HIDDEN, EXPERTS, TOKENS, BOUND = 16, 4, 12, 32

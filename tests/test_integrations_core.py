@@ -10,8 +10,8 @@ import pytest
 
 from bufreuse.config import BufReuseConfig
 from bufreuse.integrations import core
-from bufreuse.integrations.adapters import ADAPTERS, adapter
 from bufreuse.integrations.core import Installation
+from bufreuse.integrations.registry import ADAPTERS, adapter
 from bufreuse.integrations.requirements import REQUIREMENTS
 
 ROOT = Path(__file__).parents[1]

@@ -33,7 +33,7 @@ from megatron_hybridep import megatron_wrappers  # noqa: E402
 
 from bufreuse.config import BufReuseConfig, static_bounds  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
-from bufreuse.integrations.hybridep import OutputTokenInjector  # noqa: E402
+from bufreuse.integrations.hybridep.output_token import OutputTokenInjector  # noqa: E402
 from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
 

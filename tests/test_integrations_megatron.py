@@ -22,7 +22,7 @@ from schedule_harness import MODES, guard, mode_env  # noqa: E402
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
 from bufreuse.integrations._compat_megatron import skip_ring_forced_release  # noqa: E402
-from bufreuse.integrations.alltoall import RingAllToAll  # noqa: E402
+from bufreuse.integrations.alltoall.functions import RingAllToAll  # noqa: E402
 from bufreuse.integrations.core import Held, acquire_with_hint  # noqa: E402
 from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.plan.rules import ReleasePoint  # noqa: E402

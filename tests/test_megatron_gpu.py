@@ -179,8 +179,8 @@ def test_hooked_sites_allocate_nothing_after_warmup(parallel) -> None:
         ring = _alloc_frames(mem._snapshot())
         mem._record_memory_history(enabled=None)
     control_cat = _allocs_at(control, ("experts.py:forward",))
-    # the ring Functions live in integrations/alltoall.py (adapters/alltoall.py hooks call into the experts)
-    hooked = _allocs_at(ring, ("integrations/alltoall.py:forward",))
+    # the ring Functions live in integrations/alltoall/functions.py (alltoall/hooks.py calls into the experts)
+    hooked = _allocs_at(ring, ("integrations/alltoall/functions.py:forward",))
     SUMMARY["allocations"] = {"control_experts_forward": control_cat, "ring_hooked_sites": hooked}
     assert control_cat > 0, "the probe sees the control's expert-output allocations"
     assert hooked == 0

@@ -1,10 +1,10 @@
 """Real Transformer Engine, both routes of the expert-output ring, without megatron in between.
 
 - **module route** (what Hopper runs): TE's ``GroupedLinear.forward(inp, m_splits, out=)`` through
-  :func:`bufreuse.integrations.te.grouped_linear_into`, the FC2 output written into a ring slot;
+  :func:`bufreuse.integrations.te.out_route.grouped_linear_into`, the FC2 output written into a ring slot;
 - **op-fuser route** (what megatron's fused ``TEGroupedMLP`` uses where TE fuses it, SM100):
   ``te.ops.Sequential([GroupedLinear, SwiGLU, GroupedLinear])`` with ``op_kwargs={-1: {OUTPUT_BUFFER_KEY: slot}}``
-  (:func:`bufreuse.integrations.te.output_buffer_op_kwargs`); on Hopper TE runs it unfused, which is
+  (:func:`bufreuse.integrations.te.out_route.output_buffer_op_kwargs`); on Hopper TE runs it unfused, which is
   the same caller-visible contract.
 
 Each runs 4 microbatches in an interleaved order (F0 F1 B0 F2 B1 F3 B2 B3) through a 2-slot ring in
@@ -85,7 +85,7 @@ def _out_cols(kind: str) -> int:
 
 def _forward(kind: str, mod, x, slot):
     """The FC2 output of ``mod`` for ``x``; written into ``slot`` when one is given."""
-    from bufreuse.integrations.te import grouped_linear_into, output_buffer_op_kwargs
+    from bufreuse.integrations.te.out_route import grouped_linear_into, output_buffer_op_kwargs
 
     if kind == "module":
         splits = torch.tensor(SPLITS, dtype=torch.int64, device="cuda")

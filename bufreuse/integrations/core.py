@@ -4,7 +4,7 @@ An :class:`Installation` records every attribute an adapter replaced and puts it
 ``uninstall()``; a few class-level patches (megatron's own release paths) are shared by all live
 installations and stay while any is alive. A :class:`PathAdapter` owns one dispatch path's hooks
 and the requirement rows (:class:`Requirement`) that path needs; the registry of adapters is
-:data:`bufreuse.integrations.adapters.ADAPTERS`.
+:data:`bufreuse.integrations.registry.ADAPTERS`.
 
 Releases are by fact (:class:`Held`); where they are *expected* comes from the planner's one table,
 :mod:`bufreuse.plan.rules`: the installation keeps each hooked ring's :class:`~bufreuse.plan.rules.ReleaseRule`

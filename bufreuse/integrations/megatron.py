@@ -2,7 +2,7 @@
 
 ``install(model, pool, knobs, tokens=...)`` (or ``with installed(...)``) walks the model's
 ``MoELayer`` instances and asks the registered adapters
-(:data:`bufreuse.integrations.adapters.ADAPTERS`) which of them hook each layer: the NCCL
+(:data:`bufreuse.integrations.registry.ADAPTERS`) which of them hook each layer: the NCCL
 all-to-all adapter, the HybridEP adapter (dispatch output) and the Transformer Engine adapter
 (expert FC2 output of HybridEP layers). Each registers its buffers on the pool and overrides
 instance attributes, recorded on the returned :class:`~bufreuse.integrations.core.Installation`.
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from bufreuse.config import BufReuseConfig
 from bufreuse.errors import ConfigError
-from bufreuse.integrations.adapters import ADAPTERS
 from bufreuse.integrations.core import (
     Installation,
     PathAdapter,
@@ -33,6 +32,7 @@ from bufreuse.integrations.core import (
     shared_patch,
     shared_patches_applied,
 )
+from bufreuse.integrations.registry import ADAPTERS
 
 if TYPE_CHECKING:
     import torch

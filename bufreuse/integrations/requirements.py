@@ -4,7 +4,7 @@ One table (:data:`REQUIREMENTS`), no scattered ifs: each row names the buffers, 
 policies it applies to, a predicate over the ``TransformerConfig`` (any object with its field
 names: a real config, or the flat dict ``bufreuse check-config`` reads), and the field to change.
 The rows a dispatch path's hooks need belong to its adapter
-(:data:`bufreuse.integrations.adapters.ADAPTERS`); the rows every path shares are here.
+(:data:`bufreuse.integrations.registry.ADAPTERS`); the rows every path shares are here.
 ``check`` evaluates every applicable row; ``validate`` raises ONE :class:`ConfigError` listing all
 unmet rows. Fields missing from older megatron-core read as unset, and a row that needs one says
 it cannot be met on that version. Backend support is detected by feature (signatures, importable
@@ -18,7 +18,6 @@ from typing import Any
 
 from bufreuse.config import BufferBound, BufReuseConfig, dispatch_path, static_bounds, tokens_per_microbatch
 from bufreuse.errors import ConfigError
-from bufreuse.integrations.adapters import ADAPTERS, adapter
 from bufreuse.integrations.core import (
     ALL_POLICIES,
     BOTH,
@@ -30,6 +29,7 @@ from bufreuse.integrations.core import (
     cfg_has,
 )
 from bufreuse.integrations.features import Features, detect_features
+from bufreuse.integrations.registry import ADAPTERS, adapter
 
 __all__ = ["REQUIREMENTS", "CheckItem", "CheckReport", "Requirement", "check", "dispatch_path", "validate"]
 

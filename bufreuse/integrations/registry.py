@@ -1,14 +1,16 @@
 """The registry of dispatch-path adapters (:class:`~bufreuse.integrations.core.PathAdapter`).
 
 ``install()`` asks them in this order; ``requirements`` assembles the matrix from their rows. To
-add a dispatcher backend, write one module here with an ``ADAPTER`` and list it below
+add a dispatcher backend, write ``bufreuse/integrations/<path>/hooks.py`` with an ``ADAPTER`` and list it below
 (docs/architecture.md says how). Importing this package imports neither torch nor megatron-core.
 """
 
 from __future__ import annotations
 
-from bufreuse.integrations.adapters import alltoall, hybridep, te
+from bufreuse.integrations.alltoall import hooks as alltoall
 from bufreuse.integrations.core import PathAdapter
+from bufreuse.integrations.hybridep import hooks as hybridep
+from bufreuse.integrations.te import hooks as te
 
 __all__ = ["ADAPTERS", "adapter"]
 

@@ -11,7 +11,7 @@ Serves the expert buffer of layers whose experts are megatron-core's ``TEGrouped
   ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes no ``out=``. An instance
   override of ``linear_fc2.forward`` acquires the slot and arms it; a class-level patch of the TE
   class whose ``forward`` takes ``out=`` (found in the MRO by signature, installed while any hooked
-  layer lives, see :func:`bufreuse.integrations.te.patch_out_route`) hands the armed slot over as
+  layer lives, see :func:`bufreuse.integrations.te.out_route.patch_out_route`) hands the armed slot over as
   ``out=``. Under FP8/FP4 without router-side padding, FC2 writes the padded rows and
   ``Fp8Unpadding`` copies them out: the slot's last reader is then that copy inside the experts, and
   combine reads a fresh allocation (the ring replaces TE's padded FC2 output, not the combine input).
@@ -30,7 +30,6 @@ from typing import Any
 
 from bufreuse.config import pads_inside_experts, static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
-from bufreuse.integrations.adapters.hybridep import is_hybridep_layer
 from bufreuse.integrations.core import (
     EXPERT,
     REUSE,
@@ -42,6 +41,7 @@ from bufreuse.integrations.core import (
     cfg_get,
     tracked,
 )
+from bufreuse.integrations.hybridep.hooks import is_hybridep_layer
 
 __all__ = ["ADAPTER", "TEGroupedAdapter"]
 
@@ -102,7 +102,7 @@ class TEGroupedAdapter:
         from megatron.core.transformer.moe import experts as experts_mod
 
         from bufreuse.integrations._compat_megatron import te_fused_impl
-        from bufreuse.integrations.te import out_route_class, require_fused_output_buffer
+        from bufreuse.integrations.te.out_route import out_route_class, require_fused_output_buffer
 
         if not installation.hooks(self.name, layer, "expert"):
             return []
@@ -158,7 +158,7 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
     """A ``TEGroupedMLP.forward`` that hands the op fuser a slot as ``output_buffer=``."""
     import torch
 
-    from bufreuse.integrations.te import output_alias
+    from bufreuse.integrations.te.out_route import output_alias
 
     pool, orig_forward = inst.pool, experts.forward
 
@@ -216,7 +216,7 @@ def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
 
 
 def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
-    from bufreuse.integrations.adapters.alltoall import hook_fc2_release
+    from bufreuse.integrations.alltoall.hooks import hook_fc2_release
 
     queue: deque[Held] = deque()
     inst.override(layer.experts, "forward", _fused_forward_into_slot(inst, layer.experts, _cols(layer), queue))
@@ -227,8 +227,8 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     """``linear_fc2`` (TE ``GroupedLinear``) writes into a slot through ``out=``; see the module docstring."""
     import torch
 
-    from bufreuse.integrations.adapters.alltoall import hook_fc2_release
-    from bufreuse.integrations.te import ARMED_OUT, arm_out, out_route_class, use_out_route
+    from bufreuse.integrations.alltoall.hooks import hook_fc2_release
+    from bufreuse.integrations.te.out_route import ARMED_OUT, arm_out, out_route_class, use_out_route
 
     experts, pool = layer.experts, inst.pool
     fc2 = experts.linear_fc2

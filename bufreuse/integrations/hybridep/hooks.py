@@ -4,13 +4,13 @@
 bound the manager computed in ``setup_metadata`` (``num_permuted_tokens``: the rank-capacity budget
 rounded up to the quantization alignment, or capacity x EP x local experts with pad-to-capacity)
 and arms it; megatron's ``HybridEPDispatch`` then calls the process-wide buffer, which an
-:class:`~bufreuse.integrations.hybridep.OutputTokenInjector` wraps while any hook is alive, so
+:class:`~bufreuse.integrations.hybridep.output_token.OutputTokenInjector` wraps while any hook is alive, so
 DeepEP receives the slot as ``output_token=``. Released after ``routed_experts_compute``: FP8/FP4
 expert GEMMs save a quantized copy, so the experts are its final reader. bf16 experts would save
 the slot itself: refused at install for the ring policy (the allocator policies only drop the
 pool's reference). Shared-expert overlap is fine here: the flex dispatcher's overlapped shared
 expert never reads the dispatch output. The expert FC2 output of these layers is the TE adapter's
-(:mod:`bufreuse.integrations.adapters.te`).
+(:mod:`bufreuse.integrations.te.hooks`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class HybridEPAdapter:
         """The static bound of every enabled buffer (the path's), then what the dispatch hook needs."""
         from megatron.core.transformer.moe import fused_a2a
 
-        from bufreuse.integrations.hybridep import require_output_token
+        from bufreuse.integrations.hybridep.output_token import require_output_token
 
         knobs, cfg = installation.knobs, layer.config
         bounds = static_bounds(cfg, knobs, path="hybridep", tokens=installation.tokens)
@@ -173,7 +173,7 @@ def _take() -> Any:
 def _inject(inst: Installation, fused_a2a: Any) -> None:
     """Wrap fused_a2a's process-wide HybridEP buffer (now, or when megatron creates it) while hooks live."""
     from bufreuse.integrations._compat_megatron import patch_hybrid_ep_buffer
-    from bufreuse.integrations.hybridep import OutputTokenInjector
+    from bufreuse.integrations.hybridep.output_token import OutputTokenInjector
 
     global _users
     if _users == 0:

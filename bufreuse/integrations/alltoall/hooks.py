@@ -14,7 +14,7 @@ Every release is by fact: the hooked stages run inside ``pool.track_saved()``, a
 for the saved references they made to the slot (a bf16 expert GEMM's input with one local expert,
 ``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
 deterministic algorithms), so it lands after the backward that reads them; nothing is decided from
-the configuration. The autograd Functions doing the writes live in :mod:`bufreuse.integrations.alltoall`.
+the configuration. The autograd Functions doing the writes live in :mod:`bufreuse.integrations.alltoall.functions`.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     from megatron.core.tensor_parallel import all_to_all
 
     from bufreuse.integrations._compat_megatron import dtoh_and_synchronize
-    from bufreuse.integrations.alltoall import RingAllToAll
+    from bufreuse.integrations.alltoall.functions import RingAllToAll
 
     disp, pool = layer.token_dispatcher, inst.pool
     orig_post, orig_compute = disp.dispatch_postprocess, layer.routed_experts_compute
@@ -227,7 +227,7 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from bufreuse.integrations._compat_megatron import pad_for_quantization
-    from bufreuse.integrations.alltoall import CatIntoRing
+    from bufreuse.integrations.alltoall.functions import CatIntoRing
 
     experts, pool = layer.experts, inst.pool
     if not isinstance(experts, SequentialMLP):

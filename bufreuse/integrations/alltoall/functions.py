@@ -1,7 +1,7 @@
 """The NCCL all-to-all path: dispatch output and expert FC2 output written into pool buffers.
 
 Two autograd Functions do the writing; the layer hooks in
-:mod:`bufreuse.integrations.adapters.alltoall` decide where each buffer is released:
+:mod:`bufreuse.integrations.alltoall.hooks` decide where each buffer is released:
 
 - :class:`RingAllToAll` runs ``all_to_all_single`` straight into a dispatch slot (at EP = 1 the
   upstream all-to-all is an identity, so the slot is filled by one copy; this proves the hooks,

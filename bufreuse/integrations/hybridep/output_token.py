@@ -3,7 +3,7 @@
 Upstream HybridEP allocates its dispatch output itself; ``output_token`` is the keyword that lets
 the caller supply it (docs/megatron.md says which DeepEP has it). These helpers fail early, naming
 the missing API, when the installed DeepEP lacks it, and check that the kernel really wrote into
-the slot it was given. The layer hooks using them are :mod:`bufreuse.integrations.adapters.hybridep`.
+the slot it was given. The layer hooks using them are :mod:`bufreuse.integrations.hybridep.hooks`.
 """
 
 from __future__ import annotations

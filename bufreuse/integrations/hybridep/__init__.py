@@ -1,0 +1,1 @@
+"""The hybridep dispatch path: its layer hooks (``hooks``) and the helpers they own."""
