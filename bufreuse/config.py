@@ -29,6 +29,7 @@ __all__ = [
     "check_field_types",
     "dispatch_path",
     "dispatch_rows",
+    "identity_dispatch",
     "load_megatron_file",
     "persistent_bytes",
     "static_bounds",
@@ -436,8 +437,20 @@ def dispatch_rows(cfg: Any, path: str, tokens: int) -> tuple[int, str]:
     return 0, "none (set moe_expert_rank_capacity_factor or moe_pad_expert_input_to_capacity)"
 
 
+def identity_dispatch(cfg: Any, path: str | None) -> bool:
+    """Whether the dispatch returns its input (NCCL all-to-all at EP = 1): no allocation for a ring to replace.
+
+    ``install()`` then registers no dispatch ring, and the bounds count none of its bytes.
+    """
+    return path == "alltoall" and int(_get(cfg, "expert_model_parallel_size", 1) or 1) == 1
+
+
 def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None) -> dict[str, BufferBound]:
-    """Bounds and persistent bytes per enabled buffer (slots x rows x hidden x element size)."""
+    """Bounds and persistent bytes per enabled buffer (slots x rows x hidden x element size).
+
+    An enabled dispatch buffer whose dispatch is an identity (:func:`identity_dispatch`) is listed
+    with its bound but 0 slots: ``install()`` registers no ring for it.
+    """
     if tokens is None:
         return {}
     hidden = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0) or 0)
@@ -451,6 +464,8 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
             r += pad
             src += f"; + {pad} FP8/FP4 pad rows (TE grouped experts pad each local expert's split inside)"
         slots = knobs.slots(buf)
+        if buf == "dispatch" and identity_dispatch(cfg, path):
+            slots, src = 0, src + "; not used: at EP = 1 the all-to-all returns its input (no ring registered)"
         out[buf] = BufferBound(
             buffer=buf,
             rows=r,

@@ -26,3 +26,14 @@ def single_process_model_parallel() -> Iterator[None]:
         ps.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
+
+
+def install_exercising_dispatch(*args, **kwargs):
+    """``install()`` with the EP = 1 dispatch put into the ring (``ring_identity_dispatch=True``).
+
+    These one-process tests exercise the dispatch ring's hooks and release rules; in production an
+    EP = 1 dispatch is an identity and no dispatch ring is used (``tests/test_hot_path.py`` checks that).
+    """
+    from bufreuse.integrations.megatron import install
+
+    return install(*args, ring_identity_dispatch=True, **kwargs)

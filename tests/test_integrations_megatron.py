@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
 from megatron_cpu import single_process_model_parallel  # noqa: E402
 from schedule_harness import MODES, guard, mode_env  # noqa: E402
 
@@ -24,7 +25,6 @@ from bufreuse.errors import ConfigError  # noqa: E402
 from bufreuse.integrations._compat_megatron import skip_ring_forced_release  # noqa: E402
 from bufreuse.integrations.alltoall.functions import RingAllToAll  # noqa: E402
 from bufreuse.integrations.core import Held, acquire_with_hint  # noqa: E402
-from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.plan.rules import ReleasePoint  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError, StaticShapeError  # noqa: E402
 

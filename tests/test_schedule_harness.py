@@ -17,13 +17,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
 from megatron_cpu import single_process_model_parallel  # noqa: E402
 from schedule_harness import MODES, ORDERS, Row, compare, guard, mode_env, rows_for  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
 from bufreuse.integrations.core import ConfigView, effective_config  # noqa: E402
-from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.integrations.requirements import validate  # noqa: E402
 from bufreuse.plan.rules import release_rule  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402

@@ -25,11 +25,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
 from schedule_harness import MODES, ORDERS, Row, compare, guard, mode_env, rows_for, write_summary  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
-from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.integrations.requirements import validate  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
 

@@ -64,6 +64,7 @@ __all__ = [
     "effective_config",
     "expected_deferred",
     "install_refusals",
+    "reads_live",
     "ring_name",
     "shared_patch",
     "shared_patches_applied",
@@ -251,43 +252,85 @@ AUTO_START = 2
 """The first depth of an ``auto`` ring when no plan is available (the pool's default)."""
 
 
-def tracked(pool: BufferPool, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run inside ``pool.track_saved()``: what it saves for backward from ring storage is counted.
+def tracked(pool: BufferPool, fn: Callable[..., Any], reads: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
+    """``fn`` run inside ``pool.track_saved()`` when it reads ring storage: what it saves from it is counted.
 
-    Every hooked stage between a slot's acquisition and its release runs so; the releases
-    (``Held.release``) then wait for exactly those saved references.
+    The hot path of every hooked stage. ``reads(first_argument)`` says whether this call receives a
+    slot (:func:`reads_live`, or ``pool.views_ring_storage``); only then is the region entered (one
+    push of the pool's prebuilt saved-tensor hooks), so a stage that receives a copy pays a pointer
+    comparison. ``reads=None``: always. Nested in another region of the pool, entering costs nothing.
+    Releases (``Held.release``) then wait for exactly the saved references those regions made.
     """
     import functools
 
+    tracker = pool.track_saved()
+
+    if reads is None:
+
+        @functools.wraps(fn)
+        def always(*args: Any, **kwargs: Any) -> Any:
+            with tracker:
+                return fn(*args, **kwargs)
+
+        return always
+
     @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with pool.track_saved():
-            return fn(*args, **kwargs)
+    def when_read(*args: Any, **kwargs: Any) -> Any:
+        if args and reads(args[0]):
+            with tracker:
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
 
-    return run
+    return when_read
 
 
-@dataclass(slots=True)
+def reads_live(live: Callable[[], Held | None]) -> Callable[[Any], bool]:
+    """A ``reads`` predicate for :func:`tracked`: the argument views the acquisition ``live()`` returns."""
+
+    def reads(x: Any) -> bool:
+        held = live()
+        return held is not None and held.read_by(x)
+
+    return reads
+
+
 class Held:
     """One acquisition and where it is released: at its last reader, by fact.
 
     ``release()`` is called after the forward's final reader; the pool releases at once when no
     autograd-saved reference (counted inside ``pool.track_saved()``) and no ``Hold`` is left, else
-    when the last of them is gone (``pool.release_when_unsaved``).
+    when the last of them is gone (``pool.release_when_unsaved``). The acquisition's byte span is
+    kept so that "is this a view of it?" (:meth:`read_by`) is one pointer comparison.
     """
 
-    pool: BufferPool
-    name: str
-    tensor: torch.Tensor
-    released: bool = False
-    deferred: bool = False
-    """Whether the release waited for a saved reference or a hold (what the planner's rule must predict)."""
+    __slots__ = ("deferred", "hi", "lo", "name", "pool", "released", "tensor")
+
+    def __init__(self, pool: BufferPool, name: str, tensor: torch.Tensor) -> None:
+        self.pool = pool
+        self.name = name
+        self.tensor = tensor
+        self.lo = tensor.data_ptr()
+        self.hi = self.lo + tensor.nbytes
+        self.released = False
+        self.deferred = False
+        """Whether the release waited for a saved reference or a hold (what the planner's rule must predict)."""
+
+    def read_by(self, x: Any) -> bool:
+        """Whether ``x`` is a tensor viewing this acquisition's bytes (a zero-size one views nothing)."""
+        try:
+            ptr = x.data_ptr()
+        except (AttributeError, RuntimeError, TypeError):
+            return False
+        return self.lo <= ptr < self.hi
 
     def release(self, stream: Any = None) -> None:
         """The forward's final reader is enqueued on ``stream`` (default: current); release once, by fact."""
         if not self.released:
             self.released = True
             self.deferred = not self.pool.release_when_unsaved(self.name, self.tensor, stream)
+
+    def __repr__(self) -> str:
+        return f"Held({self.name!r}, released={self.released}, deferred={self.deferred})"
 
 
 def aliases(a: Any, b: torch.Tensor) -> bool:
@@ -377,6 +420,11 @@ class Installation:
     """Ring name -> where the planner's rule says it is released (:mod:`bufreuse.plan.rules`)."""
     auto_start: dict[str, int] = field(default_factory=dict)
     """Ring name -> the depth an ``auto`` ring was registered at (the planner's figure, or the default)."""
+    ring_identity_dispatch: bool = False
+    """Put an EP = 1 all-to-all dispatch (an identity upstream) into the ring anyway: one copy per call
+    that exists only to exercise the dispatch ring's hooks on one GPU (tests, the schedule harness)."""
+    unused: dict[str, str] = field(default_factory=dict)
+    """Ring name -> why an enabled buffer is left alone (nothing to replace), logged once."""
     _mixed: set[str] = field(default_factory=set)
     _checked: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list)
@@ -389,6 +437,12 @@ class Installation:
     def hooks(self, adapter: str, layer: Any, buffer: str) -> bool:
         """Whether ``buffer`` is enabled and ``adapter`` hooks it on ``layer``."""
         return buffer in self.knobs.enabled() and self._owners.get((id(layer), buffer)) == adapter
+
+    def note_unused(self, name: str, why: str) -> None:
+        """Record (and log once, at info) that the enabled buffer ``name`` is not hooked, and why."""
+        if name not in self.unused:
+            self.unused[name] = why
+            _log.info("bufreuse: ring '%s' not used: %s", name, why)
 
     def activate(self) -> None:
         """Count this installation as alive (shared patches stay while it is)."""

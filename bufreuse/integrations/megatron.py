@@ -52,6 +52,7 @@ def install(
     tokens: int,
     num_microbatches: int | None = None,
     pp_rank: int = 0,
+    ring_identity_dispatch: bool = False,
 ) -> Installation:
     """Register the enabled buffers on ``pool`` and hook every supported ``MoELayer`` in ``model``.
 
@@ -70,6 +71,9 @@ def install(
         num_microbatches: microbatches per step on this rank; with ``pp_rank``, the schedule the
             planner sizes a ``num_slots='auto'`` ring's first depth from (None: the pool's default).
         pp_rank: this rank's pipeline stage.
+        ring_identity_dispatch: at EP = 1 the all-to-all dispatch returns its input and no dispatch
+            ring is used (``Installation.unused`` says so); True copies it into the ring anyway, to
+            exercise the dispatch ring's hooks on one GPU (tests). Costs one copy per layer call.
 
     Returns:
         The installation; ``uninstall()`` it (or use it as a context manager) to restore the model.
@@ -83,7 +87,14 @@ def install(
 
     if not tokens or tokens < 1:
         raise ConfigError(f"install needs tokens per microbatch >= 1 to size the buffers, got {tokens!r}")
-    inst = Installation(pool=pool, knobs=knobs, tokens=tokens, num_microbatches=num_microbatches, pp_rank=pp_rank)
+    inst = Installation(
+        pool=pool,
+        knobs=knobs,
+        tokens=tokens,
+        num_microbatches=num_microbatches,
+        pp_rank=pp_rank,
+        ring_identity_dispatch=ring_identity_dispatch,
+    )
     modules = model if isinstance(model, list) else [model]
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
     if any(_MARK in vars(m) for m in layers):
@@ -128,9 +139,18 @@ def installed(
     tokens: int,
     num_microbatches: int | None = None,
     pp_rank: int = 0,
+    ring_identity_dispatch: bool = False,
 ) -> Iterator[Installation]:
     """``install`` for the duration of a ``with`` block (same arguments and errors)."""
-    inst = install(model, pool, knobs, tokens=tokens, num_microbatches=num_microbatches, pp_rank=pp_rank)
+    inst = install(
+        model,
+        pool,
+        knobs,
+        tokens=tokens,
+        num_microbatches=num_microbatches,
+        pp_rank=pp_rank,
+        ring_identity_dispatch=ring_identity_dispatch,
+    )
     try:
         yield inst
     finally:

@@ -14,7 +14,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceOps", "env_debug", "env_float", "is_capturing"]
+__all__ = ["DeviceOps", "env_debug", "env_float", "is_capturing", "saved_hooks_push_pop"]
+
+
+def saved_hooks_push_pop(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``(push, pop)``: enter and leave torch's default saved-tensor hooks ``(pack, unpack)``.
+
+    What ``torch.autograd.graph.saved_tensors_hooks`` does on enter/exit, without its two Python
+    frames per region (the C functions directly, when this torch has them; contract:
+    ``tests/test_hot_path.py``).
+    """
+    autograd = getattr(torch._C, "_autograd", None)
+    push = getattr(autograd, "_push_saved_tensors_default_hooks", None)
+    pop = getattr(autograd, "_pop_saved_tensors_default_hooks", None)
+    if push is None or pop is None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        return hooks.__enter__, lambda: hooks.__exit__(None, None, None)
+    return (lambda: push(pack, unpack)), pop
 
 
 def env_debug() -> bool:

@@ -153,6 +153,10 @@ class AllocatingBuffer:
         """Always False: allocator-backed buffers own no persistent storage."""
         return False
 
+    def saved_references(self, tensor: torch.Tensor) -> int:
+        """Always 0: saved references are counted on ring storage only."""
+        return 0
+
     @property
     def held(self) -> int:
         return len(self._live)

@@ -34,7 +34,7 @@ from bufreuse.pool.allocating import AllocatingBuffer
 from bufreuse.pool.errors import CaptureStateError, RingConfigError, UnknownBufferError
 from bufreuse.pool.policy import Policy
 from bufreuse.pool.ring import ON_EXHAUSTED, BufferRing, Phase, RingStats
-from bufreuse.pool.tracking import Hold, track_saved
+from bufreuse.pool.tracking import Hold, SavedTracker
 from bufreuse.pool.watchdog import Watchdog
 
 __all__ = ["BufferPool"]
@@ -56,6 +56,10 @@ class BufferPool:
         self._entries: dict[str, BufferRing | AllocatingBuffer] = {}
         self._specs: dict[str, tuple[Policy, int, tuple[int, ...], torch.dtype]] = {}
         self._rings_by_storage = StorageIndex()
+        self._trackers = (
+            SavedTracker(self._rings_by_storage, strict=False),
+            SavedTracker(self._rings_by_storage, strict=True),
+        )
         self._phase = Phase.EAGER
 
     def __repr__(self) -> str:
@@ -211,23 +215,47 @@ class BufferPool:
             raise self._unknown(name) from None
         return entry.hold(tensor)
 
-    def track_saved(self, *, strict: bool | None = None) -> contextlib.AbstractContextManager[None]:
+    def track_saved(self, *, strict: bool | None = None) -> SavedTracker:
         """Count autograd-saved references to ring storage made inside the block (``saved_tensors_hooks``).
 
-        What ``release_when_unsaved`` relies on; scope it to the region whose saved tensors may alias
-        ring storage (dispatch -> experts -> combine). Saved-tensor hooks do not nest: an outer pair
-        (activation offload) is inactive inside.
+        What ``release_when_unsaved`` relies on; scope it to the code whose saved tensors may alias
+        ring storage (the stages that read a slot). Saved-tensor hooks do not nest: an outer pair
+        (activation offload) is inactive inside. The returned tracker is the pool's own, built once:
+        entering it costs one hook push, and a nested entry on the same thread costs nothing.
 
         Args:
             strict: also raise when an alias of a released slot is saved (default: debug mode).
         """
-        return track_saved(self._rings_by_storage, strict=self.debug if strict is None else strict)
+        return self._trackers[self.debug if strict is None else bool(strict)]
 
     # --- pure probes ----------------------------------------------------------------------------------
 
     def is_ring_storage(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` aliases any ring's storage (live or stale). Pure; one storage-pointer lookup."""
         return storage_ptr(tensor) in self._rings_by_storage
+
+    def views_ring_storage(self, tensor: Any) -> bool:
+        """Whether ``tensor``'s first byte lies in any ring's storage (live or stale slot). Pure.
+
+        One pointer test per ring storage: cheap enough for a per-call "does this stage receive a
+        slot?" (a zero-size view has no first byte and answers False).
+        """
+        try:
+            ptr = tensor.data_ptr()
+        except (AttributeError, RuntimeError, TypeError):
+            return False
+        for first, end, _ring, _storage in self._rings_by_storage.spans:  # noqa: SIM110 (no generator per call)
+            if first <= ptr < end:
+                return True
+        return False
+
+    def saved_references(self, name: str, tensor: torch.Tensor) -> int:
+        """Autograd-saved references counted on the live slot of ``name`` that ``tensor`` views. Pure.
+
+        Raises:
+            UnknownBufferError.
+        """
+        return self.get(name).saved_references(tensor)
 
     def owns(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the live acquisition of buffer ``name``. Pure."""
@@ -374,10 +402,10 @@ class BufferPool:
 
     # --- autograd -------------------------------------------------------------------------------------
 
-    def autograd_guard(self) -> contextlib.AbstractContextManager[None]:
+    def autograd_guard(self) -> SavedTracker:
         """The debug aid: ``track_saved(strict=True)``. ``release`` already raises while a tracked saved
         reference is alive; strict also raises when an alias of a released slot is saved."""
-        return track_saved(self._rings_by_storage, strict=True)
+        return self._trackers[True]
 
     def autograd_guard_if_debug(self) -> contextlib.AbstractContextManager[None]:
         """The guard in debug mode, a no-op context otherwise (what integrations wrap forwards in)."""

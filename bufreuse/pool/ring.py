@@ -345,6 +345,15 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             return None
         return self._slot_for(tensor, ptr).index
 
+    def saved_references(self, tensor: torch.Tensor) -> int:
+        """Autograd-saved references counted on the live slot ``tensor`` views (0 if none or not held). Pure."""
+        ptr = storage_ptr(tensor)
+        if ptr not in self._slot_map:
+            return 0
+        with self._lock:
+            slot = self._slot_for(tensor, ptr)
+            return slot.saved_refs if slot.live is not None else 0
+
     # --- state ----------------------------------------------------------------------------------------
 
     @property

@@ -5,7 +5,8 @@ not the forward consumer that calls ``release`` but autograd (the bf16 expert GE
 view of the dispatch slot, for backward) or a deferred weight-gradient pass outside autograd
 (TE/Megatron's wgrad store, read in ``backward_dw()``). This module makes both facts visible:
 
-* :func:`track_saved` installs ``torch.autograd.graph.saved_tensors_hooks``. **pack** tests the saved
+* :func:`track_saved` (a :class:`SavedTracker`) pushes ``torch.autograd.graph.saved_tensors_hooks``.
+  **pack** tests the saved
   tensor's data pointer against the byte spans of the pool's ring storages (a few integer
   comparisons; every other tensor passes through untouched) and, for ring storage of a held slot,
   returns a :class:`_SavedRef` that counts one saved reference on (ring, slot, generation). Autograd
@@ -28,19 +29,19 @@ saved tensors may alias ring storage (dispatch -> experts -> combine).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bufreuse.pool._device import saved_hooks_push_pop
 from bufreuse.pool._state import StorageIndex
 from bufreuse.pool.errors import SavedForBackwardError
 
 if TYPE_CHECKING:
     from bufreuse.pool.ring import BufferRing, _Slot
 
-__all__ = ["Hold", "SavedRefCounting", "track_saved"]
+__all__ = ["Hold", "SavedRefCounting", "SavedTracker", "track_saved"]
 
 
 class _SavedRef:
@@ -195,19 +196,40 @@ class SavedRefCounting:
         slot.marks.append((stream, event))
 
 
-@contextmanager
-def track_saved(registry: Mapping[int, BufferRing], *, strict: bool = False) -> Iterator[None]:
-    """Count autograd-saved references to the ring storage in ``registry`` while the block runs.
+class SavedTracker:
+    """A reusable ``track_saved`` region over one pool's ring storage.
 
-    Args:
-        registry: storage pointer -> ring, shared with the pool (rings that grow add their new
-            storages to it, so the hooks see them).
-        strict: also raise ``SavedForBackwardError`` when an alias of a released slot is saved.
-
-    Raises:
-        SavedForBackwardError: at pack (strict) for a released slot; at unpack when the slot was
-            acquired again since the save.
+    The pack/unpack pair is built once (per pool and strictness), so entering a region costs one
+    push of torch's default saved-tensor hooks (a C call). Regions nest (an inner one pushes the same
+    pair again). ``regions`` counts the outermost entries on the calling path: what the
+    integration's "one region per layer call" is measured by.
     """
+
+    __slots__ = ("_depth", "_pop", "_push", "regions", "strict")
+
+    def __init__(self, registry: Mapping[int, BufferRing], *, strict: bool = False) -> None:
+        self._push, self._pop = saved_hooks_push_pop(*_pack_unpack(registry, strict))
+        self._depth = 0
+        self.strict = strict
+        self.regions = 0
+
+    def __enter__(self) -> None:
+        self._push()
+        if self._depth == 0:
+            self.regions += 1
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        self._pop()
+
+    @property
+    def active(self) -> bool:
+        """Whether a region of this tracker is open."""
+        return self._depth > 0
+
+
+def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool) -> tuple[Any, Any]:
     spans = registry.spans if isinstance(registry, StorageIndex) else None
 
     def pack(tensor: torch.Tensor) -> Any:
@@ -236,5 +258,22 @@ def track_saved(registry: Mapping[int, BufferRing], *, strict: bool = False) -> 
             return packed.unpack()
         return packed
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    return pack, unpack
+
+
+def track_saved(registry: Mapping[int, BufferRing], *, strict: bool = False) -> SavedTracker:
+    """Count autograd-saved references to the ring storage in ``registry`` while the block runs.
+
+    Args:
+        registry: storage pointer -> ring, shared with the pool (rings that grow add their new
+            storages to it, so the hooks see them).
+        strict: also raise ``SavedForBackwardError`` when an alias of a released slot is saved.
+
+    Returns:
+        A new :class:`SavedTracker` (``BufferPool.track_saved`` returns the pool's own, built once).
+
+    Raises:
+        SavedForBackwardError: at pack (strict) for a released slot; at unpack when the slot was
+            acquired again since the save.
+    """
+    return SavedTracker(registry, strict=strict)

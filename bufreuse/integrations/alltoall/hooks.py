@@ -10,11 +10,18 @@ Per ``MoELayer`` instance it overrides:
 - ``combine_preprocess`` / ``token_combine`` / ``combine_postprocess``: release the FC2 slot after
   the first stage whose output no longer aliases it (its last forward reader).
 
-Every release is by fact: the hooked stages run inside ``pool.track_saved()``, and a release waits
-for the saved references they made to the slot (a bf16 expert GEMM's input with one local expert,
+Every release is by fact: a hooked stage that receives a live slot runs inside ``pool.track_saved()``
+(a stage that receives a copy pays one pointer comparison and nothing else), and a release waits for
+the saved references those stages made to the slot (a bf16 expert GEMM's input with one local expert,
 ``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
 deterministic algorithms), so it lands after the backward that reads them; nothing is decided from
-the configuration. The autograd Functions doing the writes live in :mod:`bufreuse.integrations.alltoall.functions`.
+the configuration. Nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2); debug
+mode tracks the whole experts forward and raises if that ever changes.
+
+At EP = 1 the upstream all-to-all returns its input: there is no dispatch allocation for a ring to
+replace, so the dispatch output is left alone (no ring registered, no copy) unless the installation
+asks for it (``ring_identity_dispatch``: tests exercising the dispatch ring on one GPU). The autograd
+Functions doing the writes live in :mod:`bufreuse.integrations.alltoall.functions`.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bufreuse.config import static_bounds
-from bufreuse.errors import ConfigError
+from bufreuse.config import identity_dispatch, static_bounds
+from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.core import (
     BOTH,
     DISPATCH,
@@ -37,8 +44,8 @@ from bufreuse.integrations.core import (
     Held,
     Installation,
     Requirement,
-    aliases,
     cfg_get,
+    reads_live,
     tracked,
 )
 
@@ -141,6 +148,10 @@ class AllToAllAdapter:
         knobs = installation.knobs
         dtype = getattr(layer.config, "params_dtype", torch.float32)
         mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]
+        identity = identity_dispatch(layer.config, "alltoall") and not installation.ring_identity_dispatch
+        if "dispatch" in mine and identity:
+            mine.remove("dispatch")  # EP = 1: the all-to-all returns its input, nothing to replace
+            installation.note_unused(DISPATCH, "EP = 1: the all-to-all returns its input (no allocation to replace)")
         bounds = static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens)
         for buf in mine:
             installation.register(buf, bounds[buf], dtype, layer.config)
@@ -163,23 +174,23 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     orig_post, orig_compute = disp.dispatch_postprocess, layer.routed_experts_compute
     if getattr(disp, "shared_experts", None) is not None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
+    nccl = bool(getattr(disp, "use_nccl_stream", False))
+    probs_kwargs = {"use_nccl_stream": nccl} if hasattr(disp, "use_nccl_stream") else {}
+    box: list[Held] = []
 
     def token_dispatch(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         disp.tokens_per_expert = dtoh_and_synchronize(disp, "before_ep_alltoall", disp.tokens_per_expert)
-        nccl = bool(getattr(disp, "use_nccl_stream", False))
-        box: list[Held] = []
         out = RingAllToAll.apply(
             tokens, pool, DISPATCH, disp.ep_group, disp.output_splits, disp.input_splits, nccl, box
         )
-        state.dispatch = box[0]
-        kwargs = {"use_nccl_stream": nccl} if hasattr(disp, "use_nccl_stream") else {}
-        global_probs = all_to_all(disp.ep_group, probs, disp.output_splits, disp.input_splits, **kwargs)
+        state.dispatch = box.pop()
+        global_probs = all_to_all(disp.ep_group, probs, disp.output_splits, disp.input_splits, **probs_kwargs)
         return out, global_probs
 
     def dispatch_postprocess(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
         result = orig_post(hidden, probs)
         held = state.dispatch
-        if held is not None and not aliases(result[0], held.tensor):
+        if held is not None and not held.read_by(result[0]):
             state.dispatch = None
             held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
         return result
@@ -194,32 +205,112 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
             held.release()
         return result
 
+    reads = reads_live(lambda: state.dispatch)
     inst.override(disp, "token_dispatch", token_dispatch)
-    inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess))
-    inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute))
+    inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
+    inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
+
+
+def passthrough_combine_stages(disp: Any) -> frozenset[str]:
+    """Combine stages that return a view of their input, so cannot save it (megatron-core 0.19.2 / 0.16.1 code).
+
+    At EP x TP = 1 ``token_combine``'s all-to-all returns its input (without overlapped shared
+    experts), and ``combine_preprocess``'s unsort is a no-op or, in pad-to-capacity mode, a
+    ``view().transpose()`` of a size-1 dimension whose ``contiguous()`` is the same storage.
+    """
+    ep, tp = int(getattr(disp, "ep_size", 1) or 1), int(getattr(disp, "tp_size", 1) or 1)
+    if ep * tp != 1:
+        return frozenset()
+    out = set()
+    if getattr(disp, "shared_experts", None) is None:
+        out.add("token_combine")
+    if int(getattr(disp, "num_local_experts", 1) or 1) == 1 or bool(getattr(disp, "drop_and_pad", False)):
+        out.add("combine_preprocess")
+    return frozenset(out)
 
 
 def hook_fc2_release(inst: Installation, layer: Any, queue: deque[Held]) -> None:
-    """Release the front FC2 slot of ``queue`` after the first combine stage whose output no longer aliases it.
+    """Release the front FC2 slot of ``queue`` after the first combine stage whose output no longer views it.
 
     That stage is its last forward reader; the release still waits for anything a stage saved
-    from it (the unpermute's ``index_add_`` under deterministic algorithms saves its source).
-    Shared by the ``SequentialMLP`` hook here and the TE adapter's grouped-MLP hook.
+    from it (the unpermute's ``index_add_`` under deterministic algorithms saves its source). A
+    stage runs in a saved-tensor region only when it receives the slot; a stage that can only
+    return a view of its input (:func:`passthrough_combine_stages`) is not hooked at all (in debug
+    mode it is, and raises if it saved the slot after all). Shared by the ``SequentialMLP`` hook
+    here and the TE adapter's grouped-MLP hooks.
     """
     disp, pool = layer.token_dispatcher, inst.pool
+    reads = reads_live(lambda: queue[0] if queue else None)
+    skip = passthrough_combine_stages(disp)
 
-    def _after(stage: Callable[..., Any]) -> Callable[..., Any]:
+    def _after(name: str, stage: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(stage)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             out = stage(*args, **kwargs)
-            if queue and not aliases(out, queue[0].tensor):
+            if queue and not queue[0].read_by(out):
                 queue.popleft().release()
             return out
 
-        return tracked(pool, wrapper)
+        if name not in skip:
+            return tracked(pool, wrapper, reads)
+        return _checked_passthrough(inst, name, stage, queue)
 
     for name in ("combine_preprocess", "token_combine", "combine_postprocess"):
-        inst.override(disp, name, _after(getattr(disp, name)))
+        if name in skip and not pool.debug:
+            continue
+        inst.override(disp, name, _after(name, getattr(disp, name)))
+
+
+def _checked_passthrough(inst: Installation, name: str, stage: Callable[..., Any], queue: deque[Held]) -> Any:
+    """Debug mode: a stage production leaves unhooked, tracked, raising if it saved the front slot."""
+    pool = inst.pool
+
+    @functools.wraps(stage)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        front = queue[0] if queue else None
+        before = pool.saved_references(front.name, front.tensor) if front is not None else 0
+        out = stage(*args, **kwargs)
+        if front is not None and pool.saved_references(front.name, front.tensor) > before:
+            raise BackendContractError(
+                "megatron-core",
+                name,
+                "saved the expert FC2 slot for backward, where production mode expects a view of its input",
+                hint="production mode does not track this stage and would release the slot early; report this "
+                "with the megatron-core version",
+            )
+        return out
+
+    return tracked(pool, checked)
+
+
+def experts_tracking(inst: Installation, fn: Callable[..., Any], fc2: deque[Held]) -> Callable[..., Any]:
+    """The experts' forward, tracked where it can save ring storage.
+
+    Production: only when it receives ring storage (the dispatch slot, read directly: a bf16 GEMM or
+    ``probs * hidden`` saves it). Debug: always, and a saved reference to an FC2 slot acquired
+    inside raises :class:`BackendContractError`: production relies on nothing after FC2 saving its
+    output (megatron-core 0.19.2: neither ``Fp8Unpadding`` nor the bias add does).
+    """
+    pool = inst.pool
+    if not pool.debug:
+        return tracked(pool, fn, pool.views_ring_storage)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        before = len(fc2)
+        result = fn(*args, **kwargs)
+        for held in list(fc2)[before:]:
+            if pool.saved_references(held.name, held.tensor):
+                raise BackendContractError(
+                    "megatron-core",
+                    "experts forward",
+                    "saved the expert FC2 output for backward inside the experts",
+                    hint="production mode tracks only stages that receive a slot and would release it early; "
+                    "report this with the megatron-core version",
+                )
+        return result
+
+    return tracked(pool, checked)
 
 
 def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
@@ -235,11 +326,13 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
             f"expert-output reuse on the NCCL path hooks SequentialMLP or TEGroupedMLP on Transformer Engine; found "
             f"{type(experts).__name__} (set moe_grouped_gemm=False, or use TE's grouped MLP with GroupedLinear(out=))"
         )
+    cfg = experts.config
+    quantized = bool(cfg.fp8 or cfg.fp4)
+    box: list[Held] = []
 
     def forward(hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor, **kw: Any) -> Any:
         if kw:
             raise ConfigError(f"SequentialMLP hook got unsupported expert kwargs {sorted(kw)}")
-        cfg = experts.config
         if cfg.moe_apply_probs_on_input:
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
@@ -248,19 +341,18 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
         for expert, tokens, p in zip(
             experts.local_experts, torch.split(hidden, counts), torch.split(probs, counts), strict=True
         ):
-            if cfg.fp8 or cfg.fp4:
+            if quantized:
                 padded, p = pad_for_quantization(experts, tokens, p)
                 out, _ = expert(padded, p)
                 out = out[: tokens.shape[0]]
             else:
                 out, _ = expert(tokens, p)
             parts.append(out)
-        box: list[Held] = []
         output = CatIntoRing.apply(pool, EXPERT, box, *parts)
-        state.fc2.append(box[0])
+        state.fc2.append(box.pop())
         return output, None
 
-    inst.override(experts, "forward", tracked(pool, forward))
+    inst.override(experts, "forward", experts_tracking(inst, forward, state.fc2))
     hook_fc2_release(inst, layer, state.fc2)
 
 

@@ -43,14 +43,15 @@ class OutputTokenInjector:
     Every attribute is the wrapped buffer's, except ``dispatch_with_permute``: a forward dispatch
     (no ``handle``) takes the slot that ``take()`` hands out, if any, and goes through
     :func:`dispatch_with_output_token`; backward dispatches (with a ``handle``) and un-armed calls
-    pass through untouched. Costs one signature check per armed dispatch.
+    pass through untouched. The wrapped buffer's API is checked once (by signature), not per call.
     """
 
-    __slots__ = ("inner", "take")
+    __slots__ = ("checked", "inner", "take")
 
     def __init__(self, inner: Any, take: Callable[[], torch.Tensor | None]) -> None:
         self.inner = inner
         self.take = take
+        self.checked = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -59,17 +60,23 @@ class OutputTokenInjector:
         slot = self.take() if kwargs.get("handle") is None else None
         if slot is None:
             return self.inner.dispatch_with_permute(**kwargs)
-        return dispatch_with_output_token(self.inner, slot, **kwargs)
+        result = dispatch_with_output_token(self.inner, slot, checked=self.checked, **kwargs)
+        self.checked = True
+        return result
 
 
-def dispatch_with_output_token(buffer: Any, output_token: torch.Tensor, **kwargs: Any) -> tuple[Any, ...]:
+def dispatch_with_output_token(
+    buffer: Any, output_token: torch.Tensor, *, checked: bool = False, **kwargs: Any
+) -> tuple[Any, ...]:
     """Call ``buffer.dispatch_with_permute(output_token=..., **kwargs)``; its output must be that tensor.
 
-        Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
-        never by version) and :class:`~bufreuse.errors.BackendContractError` when the backend returned
-    other storage than it was given.
+    Raises :class:`ConfigError` when the buffer's API has no ``output_token`` (checked by signature,
+    never by version; ``checked=True`` skips it for a buffer already checked) and
+    :class:`~bufreuse.errors.BackendContractError` when the backend returned other storage than it
+    was given.
     """
-    require_output_token(type(buffer))
+    if not checked:
+        require_output_token(type(buffer))
     result = buffer.dispatch_with_permute(output_token=output_token, **kwargs)
     dispatched = result[0]
     if dispatched.data_ptr() != output_token.data_ptr():

@@ -16,9 +16,11 @@ Serves the expert buffer of layers whose experts are megatron-core's ``TEGrouped
   ``Fp8Unpadding`` copies them out: the slot's last reader is then that copy inside the experts, and
   combine reads a fresh allocation (the ring replaces TE's padded FC2 output, not the combine input).
 
-Releases are by fact: the hooked stages run in ``pool.track_saved()`` and ``Held.release`` waits for
-whatever they saved from the slot. HybridEP: after ``token_combine`` (combine's forward is the last
-reader; under EP overlap it runs on the communication stream, where the release is recorded).
+Releases are by fact: the hooked stages that receive a slot run in ``pool.track_saved()`` and
+``Held.release`` waits for whatever they saved from it (see :mod:`bufreuse.integrations.alltoall.hooks`
+for which stages are tracked, and what debug mode adds). HybridEP: after ``token_combine``
+(combine's forward is the last reader; under EP overlap it runs on the communication stream, where
+the release is recorded).
 All-to-all: after the first combine stage whose output no longer aliases the slot, or right after
 the experts when their output is already a copy. FC1's ``dgrad_out=`` is not used (docs/megatron.md).
 """
@@ -37,7 +39,6 @@ from bufreuse.integrations.core import (
     Installation,
     Requirement,
     acquire_with_hint,
-    aliases,
     cfg_get,
     tracked,
 )
@@ -158,6 +159,7 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
     """A ``TEGroupedMLP.forward`` that hands the op fuser a slot as ``output_buffer=``."""
     import torch
 
+    from bufreuse.integrations.alltoall.hooks import experts_tracking
     from bufreuse.integrations.te.out_route import output_alias
 
     pool, orig_forward = inst.pool, experts.forward
@@ -193,7 +195,7 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
         queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
         return output, bias
 
-    return tracked(pool, forward)
+    return experts_tracking(inst, forward, queue)
 
 
 def _cols(layer: Any) -> int:
@@ -201,6 +203,8 @@ def _cols(layer: Any) -> int:
 
 
 def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
+    from bufreuse.integrations.core import reads_live
+
     experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
     orig_combine = disp.token_combine
     held: deque[Held] = deque()
@@ -212,7 +216,7 @@ def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
         return out
 
     inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
-    inst.override(disp, "token_combine", tracked(pool, token_combine))
+    inst.override(disp, "token_combine", tracked(pool, token_combine, reads_live(lambda: held[0] if held else None)))
 
 
 def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
@@ -227,24 +231,25 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     """``linear_fc2`` (TE ``GroupedLinear``) writes into a slot through ``out=``; see the module docstring."""
     import torch
 
-    from bufreuse.integrations.alltoall.hooks import hook_fc2_release
-    from bufreuse.integrations.te.out_route import ARMED_OUT, arm_out, out_route_class, use_out_route
+    from bufreuse.integrations.alltoall.hooks import experts_tracking, hook_fc2_release
+    from bufreuse.integrations.te.out_route import ARMED_OUT, out_route_class, use_out_route
 
     experts, pool = layer.experts, inst.pool
     fc2 = experts.linear_fc2
     use_out_route(inst, out_route_class(type(fc2)))
     armed: list[torch.Tensor] = []
     inst.override(fc2, ARMED_OUT, armed)
-    orig_fc2, orig_experts = fc2.forward, experts.forward
+    orig_fc2 = fc2.forward
     cols = int(fc2.out_features)
     queue: deque[Held] = deque()
 
     def fc2_forward(x: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
-        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
-        shape = (int(sum(splits)), cols)
-        slot = acquire_with_hint(pool, EXPERT, shape, x.dtype)
+        rows = int(sum(m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits))
+        slot = acquire_with_hint(pool, EXPERT, (rows, cols), x.dtype)
         try:
-            arm_out(armed, slot, shape)
+            if armed:
+                raise ConfigError("a GroupedLinear output buffer is already armed (re-entrant FC2 forward)")
+            armed.append(slot.detach())  # TE takes out= with requires_grad=False: a detached alias
             result = orig_fc2(x, m_splits, *args, **kwargs)
             if armed:
                 raise BackendContractError(
@@ -262,14 +267,16 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
         queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
         return result
 
+    tracked_experts = experts_tracking(inst, experts.forward, queue)
+
     def experts_forward(*args: Any, **kwargs: Any) -> Any:
-        output, bias = orig_experts(*args, **kwargs)
-        if queue and not aliases(output, queue[-1].tensor):
+        output, bias = tracked_experts(*args, **kwargs)
+        if queue and not queue[-1].read_by(output):
             queue.pop().release()  # the FP8 unpadding (or the bias add) copied it: its last reader ran here
         return output, bias
 
     inst.override(fc2, "forward", fc2_forward)
-    inst.override(experts, "forward", tracked(pool, experts_forward))
+    inst.override(experts, "forward", experts_forward)
     hook_fc2_release(inst, layer, queue)
 
 
