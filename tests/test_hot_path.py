@@ -1,0 +1,249 @@
+"""The hooks' per-call work, counted (not timed): regions, copies, and what production leaves alone.
+
+Real megatron-core ``MoELayer`` on CPU (gloo world of one, EP = 1, pad-to-capacity: megatron's dropless
+path needs CUDA streams). Production mode unless a test says otherwise. Timings belong to
+``bufreuse bench layer`` (docs/benchmarks.md), not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_cpu import single_process_model_parallel
+
+from bufreuse.config import BufReuseConfig, identity_dispatch, static_bounds
+from bufreuse.errors import BackendContractError
+from bufreuse.integrations.alltoall import functions
+from bufreuse.integrations.alltoall.hooks import passthrough_combine_stages
+from bufreuse.integrations.core import DISPATCH, EXPERT
+from bufreuse.integrations.megatron import install
+from bufreuse.pool import BufferPool
+from bufreuse.pool._device import saved_hooks_push_pop
+
+HIDDEN, SEQ, MBS = 32, 8, 2
+TOKENS = SEQ * MBS
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    with single_process_model_parallel():
+        old = D.cuda_dtoh_stream
+        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+        yield
+        D.cuda_dtoh_stream = old
+
+
+def _layer(num_experts: int = 8, deterministic: bool = False):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=num_experts,
+        moe_router_topk=min(2, num_experts),
+        moe_router_pre_softmax=num_experts == 1,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+        deterministic_mode=deterministic,
+    )
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+
+
+def _step(layer, seed: int):
+    """One layer call, forward and backward; returns (output, input grad)."""
+    n = layer.config.num_moe_experts
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(SEQ, MBS, HIDDEN, generator=g).requires_grad_(True)
+    top = torch.softmax(torch.randn(SEQ * MBS, n, generator=g), -1).topk(layer.config.moe_router_topk)
+    routing = torch.zeros(top.values.shape[0], n, dtype=torch.bool).scatter(1, top.indices, True)
+    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values)
+    h, p = layer.preprocess(x, probs, routing)
+    d, p = layer.dispatch(h, p)
+    out, _ = layer.routed_experts_compute(d, p)
+    y = layer.postprocess(layer.combine(out), None)
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad
+
+
+def _knobs(dispatch: bool = True, expert: int = 2) -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=dispatch,
+        moe_hybridep_num_dispatch_output_buffers=2,
+        moe_hybridep_num_expert_output_buffers=expert,
+    )
+
+
+class _Calls:
+    """Counts calls of ``RingAllToAll.forward`` (the copy into the dispatch slot)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.n = 0
+        orig = functions.RingAllToAll.forward
+
+        def counting(ctx, *args):
+            self.n += 1
+            return orig(ctx, *args)
+
+        monkeypatch.setattr(functions.RingAllToAll, "forward", staticmethod(counting))
+
+
+def test_ep1_dispatch_is_left_alone_and_copies_nothing(parallel, monkeypatch) -> None:
+    calls = _Calls(monkeypatch)
+    layer = _layer()
+    ref = [_step(layer, s) for s in range(3)]
+    # positive control: asked to, the hooks do copy the EP = 1 dispatch into the ring, once per call
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True):
+        got = [_step(layer, s) for s in range(3)]
+    assert calls.n == 3 and pool.stats()[DISPATCH].acquisitions == 3
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+    # production default: no dispatch ring, no copy, and the installation says why
+    calls.n = 0
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(), tokens=TOKENS) as inst:
+        got = [_step(layer, s) for s in range(3)]
+    assert calls.n == 0
+    assert DISPATCH not in pool.names() and pool.stats()[EXPERT].acquisitions == 3
+    assert "EP = 1" in inst.unused[DISPATCH]
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+
+
+def test_bounds_count_no_dispatch_ring_bytes_at_ep1() -> None:
+    cfg = {"expert_model_parallel_size": 1, "hidden_size": 8, "num_moe_experts": 4, "moe_router_topk": 2,
+           "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}  # fmt: skip
+    assert identity_dispatch(cfg, "alltoall") and not identity_dispatch({**cfg, "expert_model_parallel_size": 2},
+                                                                        "alltoall")  # fmt: skip
+    at1 = static_bounds(cfg, _knobs(), path="alltoall", tokens=16)
+    at2 = static_bounds({**cfg, "expert_model_parallel_size": 2}, _knobs(), path="alltoall", tokens=16)
+    assert at1["dispatch"].persistent_bytes == 0 and "EP = 1" in at1["dispatch"].source
+    assert at2["dispatch"].persistent_bytes == 2 * at2["dispatch"].slot_bytes > 0
+    assert at1["expert"].persistent_bytes == 2 * at1["expert"].slot_bytes > 0
+    assert not identity_dispatch(cfg, "hybridep")
+
+
+@pytest.mark.parametrize("experts", [8, 1])
+def test_at_most_one_saved_tensor_region_per_layer_call(parallel, experts: int) -> None:
+    layer = _layer(experts)
+    pool = BufferPool("cpu")
+    tracker = pool.track_saved()
+    with install(layer, pool, _knobs(), tokens=TOKENS):
+        before = tracker.regions
+        for s in range(4):
+            _step(layer, s)
+        regions = tracker.regions - before
+    # one region per call: the first combine stage that receives the FC2 slot (the unpermute copies it)
+    assert regions == 4
+    # positive control: the exercised EP = 1 dispatch adds the stages that receive the dispatch slot
+    pool = BufferPool("cpu")
+    tracker = pool.track_saved()
+    with install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True):
+        before = tracker.regions
+        for s in range(4):
+            _step(layer, s)
+        exercised = tracker.regions - before
+    assert exercised > regions
+
+
+def test_view_only_combine_stages_are_not_hooked_in_production(parallel) -> None:
+    layer = _layer(8)
+    disp = layer.token_dispatcher
+    assert passthrough_combine_stages(disp) == {"combine_preprocess", "token_combine"}
+    with install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS):
+        hooked = {n for n in ("combine_preprocess", "token_combine", "combine_postprocess") if n in vars(disp)}
+    assert hooked == {"combine_postprocess"}
+    # debug mode hooks (and checks) every stage
+    with install(layer, BufferPool("cpu", debug=True), _knobs(), tokens=TOKENS):
+        hooked = {n for n in ("combine_preprocess", "token_combine", "combine_postprocess") if n in vars(disp)}
+    assert hooked == {"combine_preprocess", "token_combine", "combine_postprocess"}
+    # at EP x TP > 1 nothing is a passthrough
+    disp.ep_size = 2
+    try:
+        assert passthrough_combine_stages(disp) == frozenset()
+    finally:
+        disp.ep_size = 1
+
+
+def test_deterministic_unpermute_still_defers_the_fc2_release(parallel) -> None:
+    """The one saving combine stage stays tracked: its index_add_ saves the slot (release after backward)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        layer = _layer(8, deterministic=True)
+        pool = BufferPool("cpu")
+        with install(layer, pool, _knobs(dispatch=False), tokens=TOKENS):
+            for s in range(3):
+                _step(layer, s)
+        deferred = pool.stats()[EXPERT].deferred_releases
+        # positive control: without deterministic algorithms the same stage saves nothing
+        torch.use_deterministic_algorithms(False)
+        layer = _layer(8)
+        pool2 = BufferPool("cpu")
+        with install(layer, pool2, _knobs(dispatch=False), tokens=TOKENS):
+            for s in range(3):
+                _step(layer, s)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert deferred == 3 and pool2.stats()[EXPERT].deferred_releases == 0
+
+
+def _saving_cat(monkeypatch) -> None:
+    """Make the experts save their FC2 output inside their forward (what production assumes never happens)."""
+    orig = functions.CatIntoRing.apply
+    scale = torch.ones((), requires_grad=True)
+
+    def apply(pool, name, box, *parts):
+        return orig(pool, name, box, *parts) * scale  # the multiply saves the slot for scale's gradient
+
+    monkeypatch.setattr(functions.CatIntoRing, "apply", apply)
+
+
+def test_debug_mode_raises_when_experts_save_their_fc2_output(parallel, monkeypatch) -> None:
+    layer = _layer(8)
+    _saving_cat(monkeypatch)
+    debug = BufferPool("cpu", debug=True)
+    with (
+        install(layer, debug, _knobs(dispatch=False), tokens=TOKENS),
+        pytest.raises(BackendContractError, match="saved the expert FC2 output"),
+    ):
+        _step(layer, 0)
+    debug.reset()
+    # positive control: production does not track the experts' tail, so it does not see the save
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(dispatch=False), tokens=TOKENS):
+        _step(layer, 0)
+    assert pool.stats()[EXPERT].deferred_releases == 0
+
+
+def test_saved_hooks_push_pop_contract() -> None:
+    """The private push/pop pair behaves like ``saved_tensors_hooks`` (what SavedTracker relies on)."""
+    seen = []
+
+    def pack(t):
+        seen.append(t.shape)
+        return t
+
+    push, pop = saved_hooks_push_pop(pack, lambda t: t)
+    w = torch.ones(3, requires_grad=True)
+    push()
+    try:
+        y = (w * torch.full((3,), 2.0)).sum()
+    finally:
+        pop()
+    (w * 3).sum()  # outside: not packed
+    assert len(seen) >= 1
+    n = len(seen)
+    (w * torch.ones(3)).sum()
+    assert len(seen) == n
+    y.backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
