@@ -23,8 +23,11 @@ ORDERS = {
     "vpp": ("F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"),
     # all forwards, then all backwards: four in flight.
     "fwd_bwd": ("F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"),
+    # combined-1F1B-like with delayed wgrad: each backward_dw after the next forward (dispatch included).
+    "1f1b_dw": ("F0", "F1", "B0", "F2", "W0", "B1", "F3", "W1", "B2", "W2", "B3", "W3"),
 }
-"""Named microbatch orders (F<i>: forward of microbatch i, B<i>: its backward)."""
+"""Named microbatch orders (F<i>: forward of microbatch i, B<i>: its backward, W<i>: ``layer.backward_dw()``
+for it — delayed weight gradients)."""
 
 MODES = ("production", "debug")
 
@@ -33,7 +36,7 @@ def in_flight(order: str) -> int:
     """The most microbatches whose forward ran and backward did not, over ``order``."""
     live = peak = 0
     for step in ORDERS[order]:
-        live += 1 if step[0] == "F" else -1
+        live += {"F": 1, "B": -1}.get(step[0], 0)
         peak = max(peak, live)
     return peak
 
@@ -53,7 +56,7 @@ class Row:
     recompute: bool = False
     probs_on_input: bool = False
     delayed_wgrad: str | None = None
-    """A config field that defers the expert wgrad (``delay_wgrad_compute``, ...): the row expects its refusal."""
+    """A config field that defers the expert wgrad (``delay_wgrad_compute``, ...), set before the experts are built."""
     slots: int | None = None
     """Ring depth; default: the order's in-flight count."""
     expect: str = "bit-equal"
@@ -90,14 +93,22 @@ def _rows() -> tuple[Row, ...]:
             Row(name=f"{spec}-e1-shallow-fwd_bwd", spec=spec, experts=1, order="fwd_bwd", dtype=dt, slots=2,
                 expect="early-reuse:3"),
         ]  # fmt: skip
+    # Delayed wgrad: the dispatch slot is held until backward_dw (one more slot in flight than 1F1B).
+    for spec in ("te-fake", "te"):
+        for experts in (1, 8):
+            rows.append(Row(name=f"{spec}-e{experts}-delay_wgrad_compute-1f1b_dw", spec=spec, experts=experts,
+                            order="1f1b_dw", dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", slots=3))
+        fp8 = "copy" if spec == "te-fake" else "delayed"
+        rows.append(Row(name=f"{spec}-e1-fp8{fp8}-delay_wgrad_compute-1f1b_dw", spec=spec, experts=1,
+                        order="1f1b_dw", dtype="bfloat16", fp8=fp8, delayed_wgrad="delay_wgrad_compute", slots=3))
+        rows.append(Row(name=f"{spec}-e1-delay_wgrad_compute-shallow", spec=spec, experts=1, order="1f1b_dw",
+                        dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", slots=2, expect="early-reuse:3"))
     rows += [
-        Row(name="local-e1-delay_wgrad_compute", spec="local", experts=1, order="1f1b", dtype="bfloat16",
-            delayed_wgrad="delay_wgrad_compute", expect="refused:no_delayed_wgrad"),
-        Row(name="te-e1-delay_wgrad_compute", spec="te", experts=1, order="1f1b", dtype="bfloat16",
-            delayed_wgrad="delay_wgrad_compute", expect="refused:no_delayed_wgrad"),
         Row(name="te-e1-overlap_dispatch_backward_with_experts_wgrad", spec="te", experts=1, order="1f1b",
-            dtype="bfloat16", delayed_wgrad="overlap_dispatch_backward_with_experts_wgrad",
-            expect="refused:no_delayed_wgrad"),
+            dtype="bfloat16", delayed_wgrad="overlap_dispatch_backward_with_experts_wgrad"),
+        Row(name="te-fake-e1-delay_wgrad_compute-graphed", spec="te-fake", experts=1, order="1f1b",
+            dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", tags=("graphs",),
+            expect="refused:no_graphed_delayed_wgrad"),
     ]  # fmt: skip
     return tuple(rows)
 

@@ -93,7 +93,11 @@ BREAKERS = {
         _alltoall_cfg,
         {"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"]},
     ),
-    "no_delayed_wgrad": (_alltoall_cfg, {"delay_wgrad_compute": True}),
+    "no_graphed_delayed_wgrad": (
+        _alltoall_cfg,  # pad-to-capacity at EP = 1: the experts read the slot (bf16), so FC1's wgrad store holds it
+        {"delay_wgrad_compute": True, "cuda_graph_impl": "full_iteration", "moe_pad_expert_input_to_capacity": True,
+         "moe_expert_capacity_factor": 1.0},
+    ),
     "unfused_permute": (_alltoall_cfg, {"moe_permute_fusion": True}),
     "no_shared_expert_overlap": (_alltoall_cfg, {"moe_shared_expert_overlap": True}),
     "no_cuda_graphs": (_alltoall_cfg, {"cuda_graph_impl": "full_iteration"}),
@@ -173,7 +177,10 @@ def test_static_bound_pad_to_capacity_and_dropless_worst_case() -> None:
     cfg = _set(_alltoall_cfg(), moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True)
     assert static_bounds(cfg, BOTH_ON, path="alltoall", tokens=1000)["dispatch"].rows == 8 * 313
     dropless = static_bounds(_alltoall_cfg(), BOTH_ON, path="alltoall", tokens=1000)["dispatch"]
-    assert dropless.rows == 1 * 1000 * 2 and dropless.persistent_bytes == 4 * 2000 * 64 * 2
+    # EP = 1: the all-to-all returns its input, so no dispatch ring is registered (its bound is still reported)
+    assert dropless.rows == 1 * 1000 * 2 and dropless.persistent_bytes == 0 and "EP = 1" in dropless.source
+    ep2 = static_bounds(_set(_alltoall_cfg(), expert_model_parallel_size=2), BOTH_ON, path="alltoall", tokens=1000)
+    assert ep2["dispatch"].persistent_bytes == 4 * ep2["dispatch"].rows * 64 * 2 > 0
 
 
 def test_persistent_bytes_is_the_sum_of_the_ring_bounds() -> None:

@@ -28,7 +28,7 @@ KEY_ORDER = [
     "te_grouped_output",
     "no_fused_group_mlp_offload",
     "no_expert_input_offload",
-    "no_delayed_wgrad",
+    "no_graphed_delayed_wgrad",
     "tokens_known",
     "unfused_permute",
     "expert_output_writer",
@@ -143,20 +143,24 @@ def test_expert_output_writer_row_needs_sequential_mlp_or_te_out() -> None:
 def test_install_refusals_name_the_field_for_deferred_readers() -> None:
     knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=2)
     got = core.install_refusals(
-        {"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"], "delay_wgrad_compute": True},
+        {"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"], "delay_wgrad_compute": True,
+         "cuda_graph_impl": "full_iteration", "num_moe_experts": 1},
         knobs,
         "alltoall",
-    )
-    assert [g.split(":")[0] for g in got] == [
-        "[dispatch/ring] no_expert_input_offload",
-        "[dispatch/ring] no_delayed_wgrad",
-    ]
-    assert "offload_modules" in got[0] and "delay_wgrad_compute" in got[1]
-    assert core.install_refusals({"overlap_dispatch_backward_with_experts_wgrad": True}, knobs, "hybridep")
+    )  # fmt: skip
+    assert [g.split(":")[0] for g in got] == ["[dispatch/ring] no_expert_input_offload"]
+    assert "offload_modules" in got[0]
+    graphed = {"delay_wgrad_compute": True, "cuda_graph_impl": "full_iteration", "num_moe_experts": 1}
+    got = core.install_refusals(graphed, knobs, "alltoall")
+    assert [g.split(":")[0] for g in got] == ["[dispatch/ring] no_graphed_delayed_wgrad"]
+    assert "delay_wgrad_compute" in got[0]
+    assert not core.install_refusals({"delay_wgrad_compute": True, "num_moe_experts": 1}, knobs, "alltoall")
+    assert core.install_refusals({"overlap_dispatch_backward_with_experts_wgrad": True, "cuda_graph_impl": "local"},
+                                 knobs, "hybridep")  # fmt: skip
     control = BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True, moe_bufreuse_dispatch_policy="record-stream"
     )
-    assert not core.install_refusals({"delay_wgrad_compute": True}, control, "alltoall")  # allocator keeps it alive
+    assert not core.install_refusals(graphed, control, "alltoall")  # allocator keeps it alive
 
 
 def test_core_and_requirements_import_without_torch_or_megatron() -> None:

@@ -108,10 +108,15 @@ def test_expert_input_offload_refuses_the_dispatch_ring():
 
 
 @pytest.mark.parametrize("field", ["delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"])
-def test_delayed_wgrad_keeps_its_point_but_names_the_integration_refusal(field):
+def test_delayed_wgrad_is_held_to_wgrad_and_refused_only_under_cuda_graphs(field):
     rule = release_rule({**HYBRIDEP, field: True}, "dispatch")
-    assert rule.point is ReleasePoint.WGRAD and rule.refusals == ("no_delayed_wgrad",)
-    assert release_rule({**HYBRIDEP, field: True}, "expert").refusals == ()
+    assert rule.point is ReleasePoint.WGRAD and rule.refusals == ()
+    graphed = {**HYBRIDEP, field: True, "cuda_graph_impl": "full_iteration"}
+    assert release_rule(graphed, "dispatch").refusals == ("no_graphed_delayed_wgrad",)
+    assert release_rule(graphed, "expert").refusals == ()
+    # positive control of the narrowing: FP8 experts save a quantized copy, nothing to hold or refuse
+    quantized = release_rule({**graphed, "fp8": "e4m3"}, "dispatch")
+    assert quantized.point is ReleasePoint.FORWARD and quantized.refusals == ()
 
 
 def test_install_rows_are_the_rules_refusals():

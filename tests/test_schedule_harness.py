@@ -72,6 +72,12 @@ def build_layer(row: Row):
         moe_pad_expert_input_to_capacity=True,
     )
     layer = get_gpt_layer_local_spec(num_experts=row.experts, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    if row.delayed_wgrad:
+        # megatron refuses it at construction without EP overlap (EP > 1); set before the (fake) TE
+        # experts are built, as megatron's TEGroupedLinear reads it there
+        setattr(cfg, row.delayed_wgrad, True)
+    if "graphs" in row.tags:
+        cfg.cuda_graph_impl = "full_iteration"
     if row.spec == "te-fake":
         from fakes import te_grouped_linear as te
 
@@ -83,8 +89,6 @@ def build_layer(row: Row):
             row.experts, cfg, subs, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
         )
         cfg.moe_grouped_gemm = True
-    if row.delayed_wgrad:
-        setattr(cfg, row.delayed_wgrad, True)  # megatron refuses it at construction without EP overlap / TE
     return layer.to(dtype)
 
 
@@ -119,6 +123,8 @@ def run_order(layer, xs: list, order: str) -> tuple[list, list, dict]:
         i = int(step[1:])
         if step[0] == "F":
             outs[i] = _forward(layer, leaves[i], i)
+        elif step[0] == "W":
+            layer.backward_dw()  # delayed weight gradients of microbatch i (TE's store is a FIFO)
         else:
             g = torch.Generator().manual_seed(2000 + i)
             outs[i].backward(torch.randn(outs[i].shape, generator=g).to(outs[i].dtype))

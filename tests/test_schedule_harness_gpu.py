@@ -102,10 +102,13 @@ def build_layer(row: Row):
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=row.experts, moe_grouped_gemm=True)
     else:
         spec = get_gpt_layer_local_spec(num_experts=row.experts, moe_grouped_gemm=False)
-    layer = spec.submodules.mlp(config=cfg).cuda()
     if row.delayed_wgrad == "delay_wgrad_compute":
-        cfg.delay_wgrad_compute = True  # megatron needs EP overlap (EP > 1) to build it; validate must refuse it
-    return layer
+        # megatron's config check wants EP overlap (EP > 1) for it; set after the check, before the TE
+        # modules are built (TEGroupedLinear hands it to TE's GroupedLinear at construction)
+        cfg.delay_wgrad_compute = True
+    if "graphs" in row.tags:
+        cfg.cuda_graph_impl = "full_iteration"
+    return spec.submodules.mlp(config=cfg).cuda()
 
 
 def _forward(layer, x):
@@ -125,6 +128,8 @@ def run_order(layer, xs: list, order: str) -> tuple[list, list, dict]:
         i = int(step[1:])
         if step[0] == "F":
             outs[i] = _forward(layer, leaves[i])
+        elif step[0] == "W":
+            layer.backward_dw()  # delayed weight gradients of microbatch i
         else:
             g = torch.Generator(device="cuda").manual_seed(100 + i)
             outs[i].backward(torch.randn(outs[i].shape, device="cuda", dtype=outs[i].dtype, generator=g))

@@ -24,8 +24,9 @@ Dispatch output (written by the dispatch on the communication stream, read by th
 - otherwise the bf16 expert GEMM saves its input, the slot: release after its **backward**, or after
   **wgrad** with delayed weight gradients (``delay_wgrad_compute`` or
   ``overlap_dispatch_backward_with_experts_wgrad``: ``backward_dw()`` computes the FC1 weight gradient
-  from that input later). The integration refuses delayed wgrad for the ring policy whatever the point
-  (``no_delayed_wgrad``): it holds no slot across ``backward_dw``.
+  from that input later, read from TE's wgrad store): the integration holds the slot from the forward
+  release until ``experts.backward_dw()`` is enqueued. Refused only under CUDA graphs
+  (``no_graphed_delayed_wgrad``): a captured ``backward_dw`` cannot finish an eager hold.
 
 Expert FC2 output (written by the experts on the compute stream, read by combine):
 
@@ -177,19 +178,27 @@ REFUSALS: tuple[Refusal, ...] = (
         point_refused=True,
     ),
     Refusal(
-        key="no_delayed_wgrad",
+        key="no_graphed_delayed_wgrad",
         buffer="dispatch",
-        applies=delayed_wgrad,
-        text="expert weight gradients computed inside backward (no delayed wgrad)",
-        fix="set delay_wgrad_compute=False and overlap_dispatch_backward_with_experts_wgrad=False",
-        why="backward_dw() reads the FC1 input (the dispatch slot, bf16) from TE's wgrad store after autograd "
-        "freed its saved reference; bufreuse holds no slot across backward_dw, so the next acquisition could "
-        "overwrite it first (silently wrong weight gradients)",
-        fields=("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"),
+        applies=lambda cfg: _graphed_delayed_wgrad(cfg),
+        text="no CUDA graphs together with delayed expert wgrad where FC1 reads the dispatch slot",
+        fix="set cuda_graph_impl='none', or delay_wgrad_compute=False and "
+        "overlap_dispatch_backward_with_experts_wgrad=False, or fp8/fp4 expert GEMMs",
+        why="with delayed wgrad the slot is held until backward_dw() is enqueued; a captured or replayed "
+        "backward_dw cannot finish that hold in order with the pool's graph phases (not validated)",
+        fields=("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad", "cuda_graph_impl"),
         point_refused=False,
     ),
 )
 """The ring-policy refusals that are release rules; ``install()`` and the requirement matrix read them."""
+
+
+def _graphed_delayed_wgrad(cfg: Any) -> bool:
+    """Delayed wgrad whose dispatch release point is ``wgrad``, under any CUDA-graph implementation."""
+    impl = _get(cfg, "cuda_graph_impl", None)
+    if impl in (None, "none") or not delayed_wgrad(cfg):
+        return False
+    return _dispatch(cfg, dispatch_path(cfg))[0] is ReleasePoint.WGRAD
 
 
 def dispatch_path(cfg: Any) -> str | None:
@@ -259,7 +268,7 @@ def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str,
         return (
             ReleasePoint.WGRAD,
             "bf16 expert GEMMs (fp8/fp4 unset) save the slot; delay_wgrad_compute "
-            "(or overlap_dispatch_backward_with_experts_wgrad) reads it again in backward_dw",
+            "(or overlap_dispatch_backward_with_experts_wgrad) reads it again in backward_dw (held until then)",
             ("fp8", "fp4", "delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"),
         )
     return (

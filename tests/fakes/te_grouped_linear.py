@@ -11,6 +11,7 @@ buffer rules are TE's: exact shape, contiguous, ``requires_grad=False``.
 from __future__ import annotations
 
 import types
+from collections import deque
 
 import torch
 
@@ -137,7 +138,7 @@ class _GroupedLinearFn(torch.autograd.Function):
     quantized copy (FP8), through ``ctx.save_for_backward`` as TE does."""
 
     @staticmethod
-    def forward(ctx, inp, weight, splits, out, quantized):  # type: ignore[override]
+    def forward(ctx, inp, weight, splits, out, quantized, store=None):  # type: ignore[override]
         rows = sum(splits)
         if out is not None:
             _check_buffer(out, (rows, weight.shape[1]))
@@ -146,6 +147,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             torch.cat([x @ w.t() for x, w in zip(torch.split(inp, splits), weight, strict=True)], out=y)
         ctx.save_for_backward(inp.clone() if quantized else inp, weight)
         ctx.splits = splits
+        ctx.store = store
         return y
 
     @staticmethod
@@ -153,8 +155,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         inp, weight = ctx.saved_tensors
         xs, gs = torch.split(inp, ctx.splits), torch.split(grad, ctx.splits)
         dx = torch.cat([g @ w for g, w in zip(gs, weight, strict=True)])
+        if ctx.store is not None:  # TE's delayed wgrad: the saved input goes on into the store (a FIFO)
+            ctx.store.append((inp, grad, ctx.splits))
+            return dx, None, None, None, None, None
         dw = torch.stack([g.t() @ x for g, x in zip(gs, xs, strict=True)])
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class TEGroupedLinearBase(torch.nn.Module):
@@ -166,19 +171,37 @@ class TEGroupedLinearBase(torch.nn.Module):
 
     quantized = False
 
-    def __init__(self, num_gemms: int, in_features: int, out_features: int) -> None:
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, *, delay_wgrad: bool = False) -> None:
         super().__init__()
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         g = torch.Generator().manual_seed(in_features * 31 + out_features)
         self.weight = torch.nn.Parameter(torch.randn(num_gemms, out_features, in_features, generator=g) / in_features)
         self.received_out: list[torch.Tensor | None] = []
+        self.wgrad_store: deque | None = deque() if delay_wgrad else None
+
+    def need_backward_dw(self) -> bool:
+        """TE's ``need_backward_dw``: a wgrad store with delay on."""
+        return self.wgrad_store is not None
+
+    def backward_dw(self) -> None:
+        """TE's ``backward_dw``: pop the oldest stored (input, grad) and accumulate the weight gradient.
+
+        It reads the stored input, i.e. whatever storage FC1 saved (a ring slot, bf16): if that slot
+        was overwritten since, the weight gradient differs from the control.
+        """
+        if not self.need_backward_dw():
+            return
+        inp, grad, splits = self.wgrad_store.popleft()
+        xs, gs = torch.split(inp, splits), torch.split(grad, splits)
+        dw = torch.stack([g.t() @ x for g, x in zip(gs, xs, strict=True)])
+        self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
 
     def forward(self, inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None):
         if dgrad_out is not None:
             raise NotImplementedError("the fake takes no dgrad_out")
         self.received_out.append(out)
         splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
-        return _GroupedLinearFn.apply(inp, self.weight, splits, out, self.quantized)
+        return _GroupedLinearFn.apply(inp, self.weight, splits, out, self.quantized, self.wgrad_store)
 
 
 class MegatronTEGroupedLinear(TEGroupedLinearBase):
@@ -186,7 +209,9 @@ class MegatronTEGroupedLinear(TEGroupedLinearBase):
 
     def __init__(self, num_gemms, in_features, out_features, *, config, init_method, bias, skip_bias_add,
                  is_expert, tp_comm_buffer_name, pg_collection, name=None):  # fmt: skip
-        super().__init__(num_gemms, in_features, out_features)
+        overlap = getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
+        delay = bool(config.delay_wgrad_compute or overlap)
+        super().__init__(num_gemms, in_features, out_features, delay_wgrad=delay)
         self.use_bias = bool(bias)
         self.is_first_microbatch = True
 

@@ -116,6 +116,8 @@ ROWS: tuple[Requirement, ...] = (
 class _LayerState:
     dispatch: Held | None = None
     fc2: deque[Held] = field(default_factory=deque)
+    wgrad: deque[Any] | None = None
+    """Holds on dispatch slots TE's wgrad store still reads, oldest first (delayed wgrad; else None)."""
 
 
 class AllToAllAdapter:
@@ -172,6 +174,7 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
 
     disp, pool = layer.token_dispatcher, inst.pool
     orig_post, orig_compute = disp.dispatch_postprocess, layer.routed_experts_compute
+    state.wgrad = hook_delayed_wgrad(inst, layer)
     if getattr(disp, "shared_experts", None) is not None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
     nccl = bool(getattr(disp, "use_nccl_stream", False))
@@ -201,7 +204,10 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         if held is not None:
             # The experts read it directly. Whatever they saved from it (a bf16 GEMM's input,
             # probs * hidden under moe_apply_probs_on_input, TE's original input) was counted;
-            # an FP8 GEMM saves its quantized copy and the release happens now.
+            # an FP8 GEMM saves its quantized copy and the release happens now. With delayed
+            # wgrad, what FC1 saved goes on into TE's wgrad store: hold the slot until backward_dw.
+            if state.wgrad is not None and pool.saved_references(DISPATCH, held.tensor):
+                state.wgrad.append(pool.hold(DISPATCH, held.tensor))
             held.release()
         return result
 
@@ -209,6 +215,46 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     inst.override(disp, "token_dispatch", token_dispatch)
     inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
     inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
+
+
+def _fc1_delays_wgrad(experts: Any) -> bool:
+    """Whether the experts' FC1 keeps its inputs in TE's wgrad store for ``backward_dw`` (by the module, once)."""
+    fc1 = getattr(experts, "linear_fc1", None)
+    if fc1 is None:
+        return False
+    if getattr(experts, "_with_fused_impl", False):
+        return bool(getattr(fc1, "delay_wgrad_compute", False))
+    need = getattr(fc1, "need_backward_dw", None)
+    return bool(need()) if callable(need) else False
+
+
+def hook_delayed_wgrad(inst: Installation, layer: Any) -> deque[Any] | None:
+    """With delayed wgrad, finish the oldest dispatch-slot hold after each ``experts.backward_dw()``.
+
+    TE's FC1 puts its saved input (the dispatch slot, bf16 without a sort copy) into its wgrad store
+    when its backward runs, after autograd freed the saved reference that release-by-fact waits for;
+    ``backward_dw()`` reads it later (in combined 1F1B after the next microbatch's dispatch, on
+    ``_delayed_wgrad_stream`` under ``overlap_dispatch_backward_with_experts_wgrad``). The dispatch
+    hook takes a hold where the experts saved the slot; this override finishes them in order (TE's
+    store is a FIFO queue) on the stream ``backward_dw`` ran on. None when FC1 computes its wgrad in
+    backward (nothing to hold).
+    """
+    from bufreuse.plan.rules import delayed_wgrad
+
+    experts = layer.experts
+    if not delayed_wgrad(layer.config) or not _fc1_delays_wgrad(experts):
+        return None
+    holds: deque[Any] = deque()
+    orig = experts.backward_dw
+
+    def backward_dw(*args: Any, **kwargs: Any) -> Any:
+        result = orig(*args, **kwargs)
+        if holds:
+            holds.popleft().done()  # FC1's wgrad read the slot on the current stream: released after it
+        return result
+
+    inst.override(experts, "backward_dw", functools.wraps(orig)(backward_dw))
+    return holds
 
 
 def passthrough_combine_stages(disp: Any) -> frozenset[str]:
