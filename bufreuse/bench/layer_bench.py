@@ -103,6 +103,22 @@ class LayerBenchConfig:
     device: str | None = None
     """``cuda``/``cuda:N`` or ``cpu``; default: CUDA when available."""
     seed: int = 1234
+    preset: str | None = None
+    """The preset the shape came from (recorded; :func:`layer_config` applies it)."""
+
+
+def layer_config(
+    preset: str | None, *, device: str | None, shape: dict[str, int | None], **rest: Any
+) -> LayerBenchConfig:
+    """The config of ``preset`` (default: ``tiny`` without CUDA, ``host-bound`` with it), ``shape``'s given
+    entries overriding the preset's."""
+    if preset is None:
+        cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        preset = "host-bound" if cuda else "tiny"
+    if preset not in PRESETS:
+        raise InputError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    merged = {**PRESETS[preset], **{k: v for k, v in shape.items() if v is not None}}
+    return LayerBenchConfig(**merged, device=device, preset=preset, **rest)
 
 
 # -- orders ----------------------------------------------------------------------------------------
@@ -182,7 +198,7 @@ def _check_te(cfg: LayerBenchConfig) -> None:
     try:
         import transformer_engine.pytorch as te
     except Exception as e:  # ImportError, or a TE build that fails to load its library
-        raise InputError(f"--spec te needs Transformer Engine: import transformer_engine.pytorch failed ({e})") from None
+        raise InputError(f"--spec te needs Transformer Engine: importing it failed ({e})") from None
     if cfg.precision == "fp8":
         ok, why = te.is_fp8_available(return_reason=True)
         if not ok:
@@ -279,7 +295,7 @@ def _build_layer(cfg: LayerBenchConfig, device: torch.device) -> Any:
 
 @contextlib.contextmanager
 def _cpu_dispatcher_stream(cuda: bool) -> Iterator[None]:
-    """On CPU, stand in for the CUDA stream the all-to-all dispatcher creates at construction (pad mode never uses it)."""
+    """On CPU, a stand-in for the CUDA stream the all-to-all dispatcher makes at construction (unused in pad mode)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
 
     if cuda or D.cuda_dtoh_stream is not None:

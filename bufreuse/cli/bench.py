@@ -103,7 +103,9 @@ def layer(
     tokens: Annotated[int | None, typer.Option(help="Tokens per microbatch (overrides the preset).")] = None,
     microbatches: Annotated[int, typer.Option(help="Microbatches per schedule.")] = 4,
     steps: Annotated[int, typer.Option(help="Timed schedules per round (after one untimed).")] = 8,
-    rounds: Annotated[int, typer.Option(help="Measured rounds per arm, even (A B B A cycles); >= 6 for a verdict.")] = 6,
+    rounds: Annotated[
+        int, typer.Option(help="Measured rounds per arm, even (A B B A cycles); >= 6 for a verdict.")
+    ] = 6,
     warmup: Annotated[int, typer.Option(help="Warm-up rounds per arm, dropped.")] = 1,
     spec: Annotated[str, typer.Option(help="local (SequentialMLP) or te (TEGroupedMLP, needs TE and CUDA).")] = "local",
     precision: Annotated[str, typer.Option(help="bf16 or fp8 (TE: hybrid format, delayed scaling).")] = "bf16",
@@ -119,25 +121,18 @@ def layer(
     json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the per-round ratios as a PNG to this file.")] = None,
-    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --output / --plot files' missing folders.")] = False,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --output / --plot files' folders.")] = False,
 ) -> None:
     """A real megatron-core MoELayer: control vs each policy's hooks, per layer call host µs (forward and
     backward), wall ms and GPU ms, rounds in A B B A order, ratios with 95% intervals and verdicts."""
     check_output_file(output, suffixes=(".json",), mkdir=mkdir, option="--output")
     check_output_file(plot, suffixes=(".png",), mkdir=mkdir, option="--plot")
-    from bufreuse.bench.layer_bench import PRESETS, LayerBenchConfig, run_layer_bench
+    from bufreuse.bench.layer_bench import layer_config, run_layer_bench
 
-    import torch
-
-    if preset is None:
-        cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-        preset = "tiny" if cpu else "host-bound"
-    if preset not in PRESETS:
-        raise InputError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-    given = {"hidden": hidden, "ffn": ffn, "experts": experts, "topk": topk, "tokens": tokens}
-    shape = {**PRESETS[preset], **{k: v for k, v in given.items() if v is not None}}
-    cfg = LayerBenchConfig(
-        **shape,
+    cfg = layer_config(
+        preset,
+        device=device,
+        shape={"hidden": hidden, "ffn": ffn, "experts": experts, "topk": topk, "tokens": tokens},
         microbatches=microbatches,
         steps=steps,
         rounds=rounds,
@@ -148,11 +143,9 @@ def layer(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
         slots=slots,
         band_pct=band_pct,
-        device=device,
     )
     with progress_bar("bench layer rounds") as tick:
         result = run_layer_bench(cfg, progress=tick)
-    result["config"]["preset"] = preset
     if output is not None:
         from bufreuse.fsutil import atomic_write_json
 
