@@ -290,7 +290,9 @@ def _build_layer(cfg: LayerBenchConfig, device: torch.device) -> Any:
         spec = get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False)
     with _cpu_dispatcher_stream(cuda):
         layer = spec.submodules.mlp(config=tcfg)
-    return layer.to(device=device, dtype=torch.bfloat16)
+    # CUDA: parameters are made there in bf16 (a dtype cast would also cast TE's FP8 scaling state). CPU: the
+    # router's weight is cast too (its routing runs here, on bf16 logits).
+    return layer.cuda(device) if cuda else layer.to(dtype=torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -375,13 +377,22 @@ def _run_round(
             _schedule(forward, steps, xs, grads, timing)
         _sync(cuda)
         wall = time.perf_counter() - start
+        # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control).
+        acquired = {name: s.acquisitions for name, s in pool.stats().items()} if inst is not None else {}
     finally:
         if inst is not None:
             inst.uninstall()
     calls = cfg.steps * cfg.microbatches
     fwd, bwd = sum(timing["F"]) / calls * 1e6, sum(timing["B"]) / calls * 1e6
     gpu = sum(a.elapsed_time(b) for a, b in timing["events"]) / calls if cuda else None
-    return {"fwd_host_us": fwd, "bwd_host_us": bwd, "host_us": fwd + bwd, "wall_ms": wall / calls * 1e3, "gpu_ms": gpu}
+    return {
+        "fwd_host_us": fwd,
+        "bwd_host_us": bwd,
+        "host_us": fwd + bwd,
+        "wall_ms": wall / calls * 1e3,
+        "gpu_ms": gpu,
+        "acquisitions": acquired,
+    }
 
 
 def _schedule(
