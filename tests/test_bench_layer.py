@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from bufreuse.bench.layer_bench import LayerBenchConfig, _check_te, round_order, schedule_steps  # noqa: E402
-from bufreuse.cli import app  # noqa: E402
-from bufreuse.errors import InputError  # noqa: E402
+from bufreuse.bench.layer_bench import LayerBenchConfig, _check_te, round_order, schedule_steps
+from bufreuse.cli import app
+from bufreuse.errors import InputError
 
 runner = CliRunner()
 MB, STEPS, ROUNDS, WARMUP = 4, 1, 2, 1
@@ -49,11 +49,8 @@ def test_round_order_is_warmup_then_a_b_b_a_cycles() -> None:
 @pytest.fixture(scope="module")
 def json_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-layer")
-    result = runner.invoke(
-        app,
-        ["bench", "layer", *FAST, "--policies", "ring,stream-ordered", "--json",
-         "--output", str(out / "r.json"), "--plot", str(out / "r.png")],  # fmt: skip
-    )
+    files = ["--output", str(out / "r.json"), "--plot", str(out / "r.png")]
+    result = runner.invoke(app, ["bench", "layer", *FAST, "--policies", "ring,stream-ordered", "--json", *files])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout), out
 
