@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from schedule_harness import write_summary  # noqa: E402
+from schedule_harness import write_summary
 
-from bufreuse.cli import app  # noqa: E402
+from bufreuse.cli import app
 
 pytestmark = pytest.mark.gpu
 MB, STEPS, ROUNDS = 4, 2, 2
