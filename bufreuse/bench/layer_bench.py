@@ -83,7 +83,7 @@ class LayerBenchConfig:
     """Tokens per microbatch entering the layer (the input is ``[tokens, 1, hidden]``)."""
     microbatches: int = 4
     """Microbatches per schedule."""
-    steps: int = 8
+    steps: int = 16
     """Timed schedules per round (after one untimed schedule)."""
     rounds: int = 6
     """Measured rounds per arm (even: A B B A cycles)."""

@@ -102,7 +102,7 @@ def layer(
     topk: Annotated[int | None, typer.Option(help="Experts per token (overrides the preset).")] = None,
     tokens: Annotated[int | None, typer.Option(help="Tokens per microbatch (overrides the preset).")] = None,
     microbatches: Annotated[int, typer.Option(help="Microbatches per schedule.")] = 4,
-    steps: Annotated[int, typer.Option(help="Timed schedules per round (after one untimed).")] = 8,
+    steps: Annotated[int, typer.Option(help="Timed schedules per round (after one untimed).")] = 16,
     rounds: Annotated[
         int, typer.Option(help="Measured rounds per arm, even (A B B A cycles); >= 6 for a verdict.")
     ] = 6,

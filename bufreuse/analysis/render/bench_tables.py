@@ -43,7 +43,7 @@ def _figures_table(result: dict[str, Any]) -> Table:
     table.add_column("arm")
     for key in _ORDER:
         title = result["metrics"][key]["title"] if key in result["metrics"] else "GPU ms / call (CUDA events)"
-        table.add_column(f"{title}\nmedian (spread)", justify="right")
+        table.add_column(f"{title}\nmedian (±½ range)", justify="right")
     for arm in result["arms"]:
         cells = []
         for key in _ORDER:
