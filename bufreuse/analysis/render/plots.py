@@ -280,6 +280,8 @@ def layer_bench_figure(result: dict[str, Any]) -> Figure:
     for ax, key in zip(axes, keys, strict=True):
         ax.axhspan(1 - band, 1 + band, color="tab:gray", alpha=0.15, lw=0, label=f"±{result['band_pct']:g}% band")
         ax.axhline(1.0, color="black", lw=1)
+        controls = [r["index"] for r in result["rounds"] if r["arm"] == "control" and not r["warmup"]]
+        ax.plot(controls, [1.0] * len(controls), "|", color="black", ms=12, label="control rounds")
         for arm in arms:
             pts = [(r["index"], r["ratio"][key]) for r in result["rounds"] if r["arm"] == arm and r["ratio"]]
             xs, ys = zip(*pts, strict=True)
