@@ -89,25 +89,32 @@ def test_hooked_arms_acquire_once_per_microbatch_and_control_not_at_all(json_run
 def test_ratios_and_verdicts_follow_from_the_rounds(json_run) -> None:
     data, _ = json_run
     measured = [r for r in data["rounds"] if not r["warmup"]]
+    controls = [r for r in measured if r["arm"] == "control"]
     for arm in ("ring", "stream-ordered"):
+        mine = [r for r in measured if r["arm"] == arm]
+        # each arm round's partner: the nearest control round of its cycle
+        partner = {
+            r["index"]: min(
+                (c for c in controls if c["cycle"] == r["cycle"]), key=lambda c: abs(c["index"] - r["index"])
+            )
+            for r in mine
+        }
+        assert [r["paired_with"] for r in mine] == [partner[r["index"]]["index"] for r in mine]
+        assert len({r["paired_with"] for r in mine}) == len(mine)  # disjoint pairs
         for m in ("host_us", "fwd_host_us", "bwd_host_us", "wall_ms"):
-            base = [r[m] for r in measured if r["arm"] == "control"]
-            mine = [r[m] for r in measured if r["arm"] == arm]
             fig = data["summary"][arm][m]
-            assert fig["median"] == pytest.approx(statistics.median(mine))
-            geo = math.exp(statistics.fmean(map(math.log, mine)) - statistics.fmean(map(math.log, base)))
+            assert fig["median"] == pytest.approx(statistics.median(r[m] for r in mine))
+            ratios = [r[m] / partner[r["index"]][m] for r in mine]
+            assert fig["round_ratios"] == pytest.approx(ratios)
             judged = fig["vs_control"]
-            assert judged["ratio"] == pytest.approx(geo)
-            # 2 rounds a side: below the verdict rule's sample floor, said so
+            assert judged["ratio"] == pytest.approx(math.exp(statistics.fmean(map(math.log, ratios))))
+            # 2 pairs: below the verdict rule's sample floor, said so
             assert judged["verdict"] == "inconclusive" and "< 5 a side" in judged["note"]
-            cycle_control = {
-                c: statistics.fmean(r[m] for r in measured if r["cycle"] == c and r["arm"] == "control")
-                for c in range(ROUNDS // 2)
-            }
-            want = [r[m] / cycle_control[r["cycle"]] for r in measured if r["arm"] == arm]
-            assert fig["round_ratios"] == pytest.approx(want)
-    control = [r["host_us"] for r in measured if r["arm"] == "control"]
-    assert data["drift"]["host_us"]["ratio"] == pytest.approx(control[1] / control[0])
+            unpaired = math.exp(
+                statistics.fmean(math.log(r[m]) for r in mine) - statistics.fmean(math.log(c[m]) for c in controls)
+            )
+            assert fig["unpaired"]["ratio"] == pytest.approx(unpaired)
+    assert data["drift"]["host_us"]["ratio"] == pytest.approx(controls[1]["host_us"] / controls[0]["host_us"])
 
 
 def test_output_file_and_plot_written(json_run) -> None:

@@ -8,11 +8,13 @@ and of the backward apart (``perf_counter`` around the Python calls, nothing syn
 the wall time of the round (a device synchronise only at the round's ends) and, on CUDA, the
 CUDA-event span of each call. Warm-up rounds are dropped.
 
-Each arm's figure is judged against the control's by the ratio of geometric means over rounds with a
-Welch 95% interval (:func:`bufreuse.analysis.runs.stats.mean_diff_interval` on logs) and the project's
-verdict rule (:func:`bufreuse.analysis.runs.verdicts.judge`, band ``band_pct``); the control's own
-drift (its second half of rounds against its first) is judged the same way. Per-round ratios (each
-round over the mean of the control rounds of its A B B A cycle) are kept for the plot.
+Each arm round is paired with its neighbouring control round (A B B A: the arm's first round of a cycle
+with the cycle's first control round, its second with the second), so slow drift cancels; the arm's
+figure is the geometric mean of its paired ratios with a 95% t interval
+(:func:`bufreuse.analysis.runs.stats.mean_diff_interval` on the logs) and the project's verdict rule
+(:func:`bufreuse.analysis.runs.verdicts.judge`, band ``band_pct``). The unpaired ratio (geometric means
+over all rounds, Welch) is kept beside it, and the control's own drift (its second half of rounds
+against its first) is judged the unpaired way.
 
 On CUDA the layer is called as a module (``layer(x)``; FP8 in megatron's ``get_fp8_context``). On CPU
 megatron's router moves its weight to CUDA and the dropless dispatcher copies counts on a CUDA
@@ -209,18 +211,12 @@ def _check_te(cfg: LayerBenchConfig) -> None:
 
 
 def _device(name: str | None) -> torch.device:
+    from bufreuse.bench.pool_bench import _resolve_device
+
     try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        raise InputError(f"--device {name!r}: {e}; use cuda, cuda:N or cpu") from None
-    if device.type not in ("cuda", "cpu"):
-        raise InputError(f"--device {name!r}: use cuda, cuda:N or cpu")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {name!r}: no CUDA device is visible here (use --device cpu)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
+        return _resolve_device(name)
+    except ValueError as e:
+        raise InputError(f"--{e}") from None
 
 
 # -- the layer -------------------------------------------------------------------------------------
@@ -474,14 +470,12 @@ def _summarise(cfg: LayerBenchConfig, device: torch.device, arms: list[str], rou
     measured = [r for r in rounds if not r["warmup"]]
     metrics = [m for m in METRICS if cuda or m != "gpu_ms"]
     headline = "wall_ms" if cuda else "host_us"
-    control_of = {  # cycle -> the mean of its control rounds, per metric
-        c: {m: statistics.fmean(r[m] for r in measured if r["cycle"] == c and r["arm"] == "control") for m in metrics}
-        for c in {r["cycle"] for r in measured}
-    }
     for r in rounds:
-        r["ratio"] = None
-    for r in measured:
-        r["ratio"] = {m: r[m] / control_of[r["cycle"]][m] for m in metrics} if r["arm"] != "control" else None
+        r["ratio"], r["paired_with"] = None, None
+    for arm in arms[1:]:
+        for ctl, mine in _pairs(measured, arm):
+            mine["paired_with"] = ctl["index"]
+            mine["ratio"] = {m: mine[m] / ctl[m] for m in metrics}
     bands = Bands(throughput_pct=cfg.band_pct)
     summary: dict[str, Any] = {}
     for arm in arms:
@@ -497,9 +491,10 @@ def _summarise(cfg: LayerBenchConfig, device: torch.device, arms: list[str], rou
                 "spread_pct": (max(values) - min(values)) / med * 100 if med else None,
             }
             if arm != "control":
-                control = [r[m] for r in measured if r["arm"] == "control"]
-                fig["vs_control"] = _judged(control, values, bands, f"{arm} / control, {m}")
                 ratios = [r["ratio"][m] for r in mine]
+                fig["vs_control"] = _judged_paired(ratios, bands, f"{arm} / control, {m}")
+                control = [r[m] for r in measured if r["arm"] == "control"]
+                fig["unpaired"] = _judged(control, values, bands, f"{arm} / control, {m}, unpaired")
                 fig["round_ratios"] = ratios
                 fig["median_round_ratio"] = statistics.median(ratios)
             entry[m] = fig
@@ -530,11 +525,39 @@ def _summarise(cfg: LayerBenchConfig, device: torch.device, arms: list[str], rou
     }
 
 
+def _pairs(measured: list[dict], arm: str) -> list[tuple[dict, dict]]:
+    """``(control round, arm round)`` pairs: in each A B B A cycle the arm's first round with the cycle's first
+    control round, its second with the second (each arm round's neighbouring control round; disjoint pairs)."""
+    pairs: list[tuple[dict, dict]] = []
+    for cycle in sorted({r["cycle"] for r in measured}):
+        ctl = [r for r in measured if r["cycle"] == cycle and r["arm"] == "control"]
+        mine = [r for r in measured if r["cycle"] == cycle and r["arm"] == arm]
+        pairs += zip(ctl, mine, strict=True)
+    return pairs
+
+
+def _judged_paired(ratios: list[float], bands: Bands, what: str) -> dict[str, Any]:
+    """Geometric mean of paired round ratios, its 95% t interval and the verdict.
+
+    The one-sample interval of the log ratios is Welch's against a constant side (zero variance: the
+    degrees of freedom are n - 1), so ``mean_diff_interval`` gives it exactly.
+    """
+    logs = [math.log(v) for v in ratios]
+    return _verdict(math.exp(statistics.fmean(logs)), mean_diff_interval([0.0] * len(logs), logs), len(logs),
+                    len(logs), bands, what)  # fmt: skip
+
+
 def _judged(base: list[float], other: list[float], bands: Bands, what: str) -> dict[str, Any]:
-    """Ratio of geometric means other / base, its Welch 95% interval (over rounds) and the verdict."""
+    """Ratio of geometric means other / base, its Welch 95% interval (unpaired, over rounds) and the verdict."""
     lb, lo = [math.log(v) for v in base], [math.log(v) for v in other]
     ratio = math.exp(statistics.fmean(lo) - statistics.fmean(lb))
-    ci = mean_diff_interval(lb, lo)
+    return _verdict(ratio, mean_diff_interval(lb, lo), len(base), len(other), bands, what)
+
+
+def _verdict(
+    ratio: float, ci: tuple[float, float] | None, n_base: int, n_other: int, bands: Bands, what: str
+) -> dict[str, Any]:
+    """The project's verdict rule (``verdicts.judge``) on a ratio whose log interval is ``ci``."""
     m = MetricDelta(
         metric=what,
         title=what,
@@ -544,8 +567,8 @@ def _judged(base: list[float], other: list[float], bands: Bands, what: str) -> d
         value=ratio,
         ci_low=math.exp(ci[0]) - 1 if ci else None,
         ci_high=math.exp(ci[1]) - 1 if ci else None,
-        n_baseline=len(base),
-        n_value=len(other),
+        n_baseline=n_base,
+        n_value=n_other,
     )
     judge(m, bands, differ=False)
     return {
@@ -554,7 +577,7 @@ def _judged(base: list[float], other: list[float], bands: Bands, what: str) -> d
         "ci_high": 1 + m.ci_high if m.ci_high is not None else None,
         "verdict": m.verdict,
         "note": m.note,
-        "n": [len(base), len(other)],
+        "n": [n_base, n_other],
     }
 
 

@@ -71,7 +71,8 @@ def _ci(judged: dict[str, Any]) -> str:
 def _ratio_table(result: dict[str, Any]) -> Table:
     band = result["band_pct"]
     table = Table(
-        title=f"ratio to the control (geometric means over rounds, Welch 95% CI; parity band ±{band:g}%)",
+        title=f"ratio to the control: each round over its neighbouring control round (A B B A), geometric mean, "
+        f"95% t interval; unpaired: all rounds, Welch; parity band ±{band:g}%",
         title_justify="left",
     )
     for name, justify in (
@@ -80,14 +81,15 @@ def _ratio_table(result: dict[str, Any]) -> Table:
         ("ratio", "right"),
         ("95% CI", "right"),
         ("verdict", "left"),
-        ("per round (vs its cycle's control)", "right"),
+        ("per round", "right"),
+        ("unpaired ratio, 95% CI", "right"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     keys = [k for k in _ORDER if k in result["metrics"]]
     for arm in result["arms"][1:]:
         for key in keys:
             fig = result["summary"][arm][key]
-            judged = fig["vs_control"]
+            judged, unpaired = fig["vs_control"], fig["unpaired"]
             rr = fig["round_ratios"]
             per_round = f"median {fig['median_round_ratio']:.4f}, {min(rr):.4f} – {max(rr):.4f}"
             style = "bold" if key == result["headline"] else ""
@@ -98,6 +100,7 @@ def _ratio_table(result: dict[str, Any]) -> Table:
                 _ci(judged),
                 _verdict(judged),
                 per_round,
+                f"{unpaired['ratio']:.4f}, {_ci(unpaired)}",
             )
     for key in keys:
         judged = result["drift"][key]
@@ -108,6 +111,7 @@ def _ratio_table(result: dict[str, Any]) -> Table:
             _ci(judged),
             _verdict(judged),
             f"n = {judged['n'][0]} vs {judged['n'][1]}",
+            "",
         )
     return table
 

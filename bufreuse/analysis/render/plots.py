@@ -270,8 +270,8 @@ def sweep_figures(rows: list[SweepRow]) -> dict[str, Figure]:
 
 
 def layer_bench_figure(result: dict[str, Any]) -> Figure:
-    """``bench layer``'s per-round ratios: one point per measured round per arm (over the control rounds of
-    its A B B A cycle), one panel per figure, a line at 1.0 and the parity band shaded."""
+    """``bench layer``'s per-round ratios: one point per measured round per arm (over its neighbouring control
+    round), one panel per figure, a line at 1.0 (control rounds marked on it) and the parity band shaded."""
     keys = [k for k in ("host_us", "wall_ms", "gpu_ms") if k in result["metrics"]]
     fig = _figure(8.0, 2.6 * len(keys) + 0.6)
     axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
