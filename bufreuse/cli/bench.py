@@ -20,7 +20,8 @@ __all__ = ["bench_app", "register"]
 
 bench_app = typer.Typer(
     name="bench",
-    help="Microbenchmarks that print figures (pool: CPU cost per acquire+release pair).",
+    help="Microbenchmarks that print figures (pool: CPU cost per acquire+release pair; layer: a real MoE layer, "
+    "control vs hooks).",
     no_args_is_help=True,
 )
 
@@ -86,6 +87,83 @@ def pool(
         typer.echo(json.dumps(result, indent=2))
     else:
         _render(result)
+
+
+@bench_app.command("layer")
+@handle_errors
+def layer(
+    preset: Annotated[
+        str | None,
+        typer.Option(help="Layer shape: tiny, host-bound or gpu-bound (default: tiny on CPU, host-bound on CUDA)."),
+    ] = None,
+    hidden: Annotated[int | None, typer.Option(help="Hidden size (overrides the preset).")] = None,
+    ffn: Annotated[int | None, typer.Option(help="Expert FFN size (overrides the preset).")] = None,
+    experts: Annotated[int | None, typer.Option(help="Experts (overrides the preset).")] = None,
+    topk: Annotated[int | None, typer.Option(help="Experts per token (overrides the preset).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Tokens per microbatch (overrides the preset).")] = None,
+    microbatches: Annotated[int, typer.Option(help="Microbatches per schedule.")] = 4,
+    steps: Annotated[int, typer.Option(help="Timed schedules per round (after one untimed).")] = 16,
+    rounds: Annotated[
+        int, typer.Option(help="Measured rounds per arm, even (A B B A cycles); >= 6 for a verdict.")
+    ] = 6,
+    warmup: Annotated[int, typer.Option(help="Warm-up rounds per arm, dropped.")] = 1,
+    spec: Annotated[str, typer.Option(help="local (SequentialMLP) or te (TEGroupedMLP, needs TE and CUDA).")] = "local",
+    precision: Annotated[str, typer.Option(help="bf16 or fp8 (TE: hybrid format, delayed scaling).")] = "bf16",
+    schedule: Annotated[
+        str, typer.Option(help="sequential (F0 B0 F1 B1 ...) or interleaved (F0 F1 B0 F2 B1 ... B3).")
+    ] = "interleaved",
+    policies: Annotated[
+        str, typer.Option(help="Comma list of arms against the control: ring, stream-ordered, record-stream.")
+    ] = "ring",
+    slots: Annotated[int, typer.Option(help="Slots of the dispatch and expert rings.")] = 3,
+    band_pct: Annotated[float, typer.Option(help="Parity band of the verdicts, percent.")] = 1.0,
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
+    json_out: Annotated[bool, json_option()] = False,
+    output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write the per-round ratios as a PNG to this file.")] = None,
+    mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --output / --plot files' folders.")] = False,
+) -> None:
+    """A real megatron-core MoELayer: control vs each policy's hooks, per layer call host µs (forward and
+    backward), wall ms and GPU ms, rounds in A B B A order, ratios with 95% intervals and verdicts."""
+    check_output_file(output, suffixes=(".json",), mkdir=mkdir, option="--output")
+    check_output_file(plot, suffixes=(".png",), mkdir=mkdir, option="--plot")
+    from bufreuse.bench.layer_bench import layer_config, run_layer_bench
+
+    cfg = layer_config(
+        preset,
+        device=device,
+        shape={"hidden": hidden, "ffn": ffn, "experts": experts, "topk": topk, "tokens": tokens},
+        microbatches=microbatches,
+        steps=steps,
+        rounds=rounds,
+        warmup=warmup,
+        spec=spec,
+        precision=precision,
+        schedule=schedule,
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        slots=slots,
+        band_pct=band_pct,
+    )
+    with progress_bar("bench layer rounds") as tick:
+        result = run_layer_bench(cfg, progress=tick)
+    if output is not None:
+        from bufreuse.fsutil import atomic_write_json
+
+        atomic_write_json(output, result)
+    if plot is not None:
+        from bufreuse.analysis.render.plots import layer_bench_figure
+        from bufreuse.cli._common import write_figure
+
+        write_figure(plot, layer_bench_figure(result))
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        from bufreuse.analysis.render.bench_tables import layer_bench_renderable
+
+        console.print(layer_bench_renderable(result))
+        for path in (output, plot):
+            if path is not None:
+                console.print(f"wrote {path}")
 
 
 _ELEMENT_BYTES = {"float64": 8, "double": 8, "int64": 8, "float32": 4, "float": 4, "int32": 4}

@@ -23,6 +23,7 @@ __all__ = [
     "SWEEP_PLOT_FILES",
     "comparison_figures",
     "iteration_figure",
+    "layer_bench_figure",
     "memory_figure",
     "plot_reserved",
     "plot_step_time",
@@ -263,3 +264,42 @@ def plot_step_time(rows: list[SweepRow]) -> Figure:
 def sweep_figures(rows: list[SweepRow]) -> dict[str, Figure]:
     """Both plots, keyed by the file name they are written under (:data:`SWEEP_PLOT_FILES`)."""
     return dict(zip(SWEEP_PLOT_FILES, (plot_reserved(rows), plot_step_time(rows)), strict=True))
+
+
+# -- bench layer ----------------------------------------------------------------------------------
+
+
+def layer_bench_figure(result: dict[str, Any]) -> Figure:
+    """``bench layer``'s per-round ratios: one point per measured round per arm (over its neighbouring control
+    round), one panel per figure, a line at 1.0 (control rounds marked on it) and the parity band shaded."""
+    keys = [k for k in ("host_us", "wall_ms", "gpu_ms") if k in result["metrics"]]
+    fig = _figure(8.0, 2.6 * len(keys) + 0.6)
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    band = result["band_pct"] / 100
+    arms = result["arms"][1:]
+    for ax, key in zip(axes, keys, strict=True):
+        ax.axhspan(1 - band, 1 + band, color="tab:gray", alpha=0.15, lw=0, label=f"±{result['band_pct']:g}% band")
+        ax.axhline(1.0, color="black", lw=1)
+        controls = [r["index"] for r in result["rounds"] if r["arm"] == "control" and not r["warmup"]]
+        ax.plot(controls, [1.0] * len(controls), "|", color="black", ms=12, label="control rounds")
+        for arm in arms:
+            pts = [(r["index"], r["ratio"][key]) for r in result["rounds"] if r["arm"] == arm and r["ratio"]]
+            xs, ys = zip(*pts, strict=True)
+            judged = result["summary"][arm][key]["vs_control"]
+            ax.plot(xs, ys, "o", label=mpl_text(f"{arm}: {judged['ratio']:.3f} ({judged['verdict']})"))
+        ax.set_ylabel(f"{mpl_text(result['metrics'][key]['title'])}\narm / control")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("round (position in the run; warm-up rounds not shown)")
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    c = result["config"]
+    fig.suptitle(
+        mpl_text(
+            f"bench layer: hidden {c['hidden']}, {c['experts']} experts top-{c['topk']}, {c['tokens']} tokens, "
+            f"{c['spec']} {c['precision']}, {c['schedule']}; {result['env']['gpu'] or 'CPU'}"
+        ),
+        fontsize=9,
+    )
+    return fig

@@ -1,0 +1,51 @@
+"""`bufreuse bench layer` on one GPU: local spec, and real TE (``TEGroupedMLP``) in bf16 and FP8 (hybrid, delayed).
+
+A small shape and few rounds: this proves the command's CUDA paths (module call, FP8 context, CUDA
+events, every policy installed) and records its JSON; the figures for ``docs/benchmarks.md`` come from
+the presets run by hand (see there). Run with scripts/gpu-tests.sh; the JSON goes to
+``$OUT/megatron-gpu-summary.json`` under ``bench_layer_<spec>_<precision>``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from schedule_harness import write_summary
+
+from bufreuse.cli import app
+
+pytestmark = pytest.mark.gpu
+MB, STEPS, ROUNDS = 4, 2, 2
+SHAPE = ["--hidden", "256", "--ffn", "512", "--experts", "8", "--topk", "2", "--tokens", "512"]
+CASES = [
+    pytest.param("local", "bf16", id="local-bf16"),
+    pytest.param("te", "bf16", id="te-bf16", marks=pytest.mark.te),
+    pytest.param("te", "fp8", id="te-fp8", marks=pytest.mark.te),
+]
+
+
+@pytest.mark.parametrize(("spec", "precision"), CASES)
+def test_bench_layer_runs_every_policy_on_the_gpu(spec: str, precision: str) -> None:
+    args = ["bench", "layer", "--device", "cuda", *SHAPE, "--spec", spec, "--precision", precision,
+            "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", str(ROUNDS), "--warmup", "1",
+            "--policies", "ring,stream-ordered,record-stream", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    write_summary(f"bench_layer_{spec}_{precision}", data)
+    arms = ["control", "ring", "stream-ordered", "record-stream"]
+    assert data["order"] == arms + (arms + arms[::-1]) * (ROUNDS // 2)
+    assert data["gpu_figures"] is True and data["headline"] == "wall_ms"
+    per_round = (STEPS + 1) * MB
+    for r in data["rounds"]:
+        assert r["gpu_ms"] > 0 and r["fwd_host_us"] > 0 and r["bwd_host_us"] > 0, r
+        want = {} if r["arm"] == "control" else {"dispatch_output": per_round, "expert_fc2_output": per_round}
+        assert r["acquisitions"] == want, r
+    for arm in arms[1:]:
+        assert data["summary"][arm]["gpu_ms"]["vs_control"]["ratio"] > 0
