@@ -82,8 +82,9 @@ def test_hooked_arms_acquire_once_per_microbatch_and_control_not_at_all(json_run
     for r in data["rounds"]:
         if r["arm"] == "control":
             assert r["acquisitions"] == {}
-        else:
-            assert r["acquisitions"] == {"dispatch_output": per_round, "expert_fc2_output": per_round}, r
+        else:  # EP = 1: the dispatch is an identity upstream, so only the FC2 ring is hooked (and it says why)
+            assert r["acquisitions"] == {"expert_fc2_output": per_round}, r
+            assert "EP = 1" in r["unused"]["dispatch_output"]
 
 
 def test_ratios_and_verdicts_follow_from_the_rounds(json_run) -> None:

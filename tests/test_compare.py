@@ -185,7 +185,11 @@ def test_compare_slot_size_from_megatron_args_is_the_check_config_bound(
     assert run.ring_slots == slots and run.ring_slot_bytes == dict.fromkeys(slots, mib * MIB)
     report = check_file(_args_file(log, tmp_path / "args.txt"))
     assert {BUFFERS[k]: b.slot_bytes for k, b in report.bounds.items()} == run.ring_slot_bytes
-    assert {BUFFERS[k]: b.slots for k, b in report.bounds.items()} == run.ring_slots
+    slots_now = {BUFFERS[k]: b.slots for k, b in report.bounds.items()}
+    if log.parent == H200_PAIR:  # all-to-all at EP = 1: today's check-config counts no dispatch ring (unused);
+        assert slots_now.pop("dispatch_output") == 0  # the 2026-12-02 run registered one (its log says so)
+        assert run.ring_slots.pop("dispatch_output") == 2
+    assert slots_now == run.ring_slots
 
 
 def test_compare_h200_megatron_pair_allocated_growth_is_the_rings() -> None:
@@ -459,6 +463,8 @@ def test_compare_ring_bytes_equal_what_install_registered_on_the_h200(family: st
     line = next(x for x in log.read_text().splitlines() if "bufreuse-megatron: hooked" in x)
     registered = {k: int(v) for k, v in re.findall(r"(\w+_output)=(\d+)", line)}
     derived = {name: run.ring_slot_bytes[name] * run.ring_slots[name] for name in registered}
-    assert derived == registered
+    # These runs predate the EP = 1 rule (today an identity dispatch gets no ring): the log's own line
+    # says install() registered a dispatch ring then, and compare follows the log.
+    assert derived == registered and registered["dispatch_output"] > 0
     if family == "te-fp8":
         assert registered["expert_fc2_output"] > registered["dispatch_output"]  # 8 experts x 15 FP8 pad rows

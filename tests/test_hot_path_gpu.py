@@ -83,7 +83,7 @@ def _layer():
 
 
 def _calls(layer, n: int = 3) -> None:
-    for i in range(n):
+    for _ in range(n):
         x = torch.randn(SEQ, MBS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         y = layer(x)[0]
         y.backward(torch.ones_like(y))

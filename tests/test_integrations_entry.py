@@ -48,16 +48,23 @@ def test_entry_registers_knobs_validates_and_installs() -> None:
     assert seen["knobs"]["moe_bufreuse_expert_policy"] == "stream-ordered"
 
 
-@pytest.mark.parametrize(("batch", "start"), [([], "dispatch_output=2 (no plan)"), (
-    ["--global-batch-size", "16"], "dispatch_output=1 (planned for 8 microbatch(es), PP rank 0)")])  # fmt: skip
+@pytest.mark.parametrize(("batch", "start"), [([], "expert_fc2_output=2 (no plan)"), (
+    ["--global-batch-size", "16"], "expert_fc2_output=1 (planned for 8 microbatch(es), PP rank 0)")])  # fmt: skip
 def test_entry_auto_ring_starts_at_the_plan_when_the_schedule_is_known(batch: list[str], start: str) -> None:
-    auto = ["--moe-hybridep-reuse-dispatch-output-buffers", "--moe-hybridep-num-dispatch-output-buffers", "auto",
-            "--moe-hybridep-num-expert-output-buffers", "0", "--moe-bufreuse-auto-max-mib", "64"]  # fmt: skip
+    auto = ["--moe-hybridep-num-expert-output-buffers", "auto", "--moe-bufreuse-auto-max-mib", "64"]
     res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *batch, *auto])
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
     assert f"num_slots='auto' starts at {start}, cap 64 MiB" in line, line
     assert _seen(res.stdout)["hooked"]
+
+
+def test_entry_says_the_ep1_dispatch_ring_is_not_used() -> None:
+    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING])
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+    assert "dispatch_output=" not in line.split("; not used")[0] and "expert_fc2_output=" in line
+    assert "not used: dispatch_output (EP = 1" in line, line
 
 
 def test_entry_checkout_from_environment_and_knobs_off() -> None:

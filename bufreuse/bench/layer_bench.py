@@ -375,6 +375,7 @@ def _run_round(
         wall = time.perf_counter() - start
         # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control).
         acquired = {name: s.acquisitions for name, s in pool.stats().items()} if inst is not None else {}
+        unused = dict(inst.unused) if inst is not None else {}
     finally:
         if inst is not None:
             inst.uninstall()
@@ -388,6 +389,7 @@ def _run_round(
         "wall_ms": wall / calls * 1e3,
         "gpu_ms": gpu,
         "acquisitions": acquired,
+        "unused": unused,
     }
 
 

@@ -116,8 +116,10 @@ class Session:
         microbatches, pp_rank = _schedule(args)
         inst = install(model, self.pool, knobs, tokens=tokens, num_microbatches=microbatches, pp_rank=pp_rank)
         self.installations.append(inst)
-        rings = ", ".join(f"{k}={v}" for k, v in self.pool.ring_bytes().items())
+        rings = ", ".join(f"{k}={v}" for k, v in self.pool.ring_bytes().items()) or "none"
         line = f"bufreuse-megatron: hooked {inst.layers} MoE layer(s); persistent bytes {rings}"
+        if inst.unused:
+            line += "; not used: " + ", ".join(f"{k} ({why})" for k, why in inst.unused.items())
         if inst.auto_start:
             source = f"planned for {microbatches} microbatch(es), PP rank {pp_rank}" if microbatches else "no plan"
             starts = ", ".join(f"{k}={v}" for k, v in inst.auto_start.items())

@@ -224,6 +224,10 @@ def _mem_record(
     )
 
 
+REGISTERED_ARG = "bufreuse_registered_bytes"
+"""Pseudo-argument holding the entry's ``persistent bytes`` list (``name=bytes, ...``), when the log has it."""
+
+
 def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     """Parse the text of one Megatron log.
 
@@ -268,6 +272,10 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
             continue
         if _CAPTURE_RE.search(line) and "validation" not in line.lower():
             capture_pending = True
+            continue
+        if "bufreuse-megatron: hooked" in line and "persistent bytes" in line:
+            # what install() registered in this run (the ring bytes compare explains the allocated delta with)
+            log.args.setdefault(REGISTERED_ARG, line.split("persistent bytes", 1)[1].split(";", 1)[0].strip())
             continue
         if " ..." in line and (am := _ARG_RE.search(line)):
             log.args.setdefault(am.group(1), am.group(2))

@@ -233,6 +233,13 @@ def _rings_from_args(args: dict[str, str], run: RunRecord) -> None:
         return
     tokens = tokens_per_microbatch(cfg, seq_length=cfg.get("seq_length"), micro_batch_size=cfg.get("micro_batch_size"))
     bounds = {BUFFERS[key]: b for key, b in static_bounds(cfg, knobs, path=path, tokens=tokens).items()}
+    registered = _registered(args)
+    for name, b in bounds.items():
+        # enabled but not registered (an EP = 1 identity dispatch): no ring bytes. The entry's own line says
+        # what install() registered in that run, and wins (runs recorded before the EP = 1 rule had a ring).
+        unused = name not in registered if registered is not None else not b.slots
+        if unused and isinstance(run.ring_slots.get(name), int):
+            del run.ring_slots[name]
     sized = {name: b for name, b in bounds.items() if name in run.ring_slots and b.slot_bytes > 0}
     if not sized:
         return
@@ -245,6 +252,16 @@ def _rings_from_args(args: dict[str, str], run: RunRecord) -> None:
     else:
         what = "; ".join(f"{n} {b.rows} rows × {b.hidden} hidden × {b.element_size} B" for n, b in sized.items())
     run.slot_bytes_source = f"Megatron arguments ({what}; {next(iter(sized.values())).source})"
+
+
+def _registered(args: dict[str, str]) -> set[str] | None:
+    """Ring names the run's ``bufreuse-megatron: hooked ... persistent bytes`` line lists (None: no such line)."""
+    from bufreuse.analysis.runs.megatron_log import REGISTERED_ARG
+
+    text = args.get(REGISTERED_ARG)
+    if text is None:
+        return None
+    return {part.split("=", 1)[0].strip() for part in text.split(",") if "=" in part}
 
 
 def _dispatch_path(cfg: dict[str, Any]) -> str | None:

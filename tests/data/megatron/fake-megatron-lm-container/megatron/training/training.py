@@ -56,7 +56,7 @@ def pretrain(
             {
                 "container": cfg_container,
                 "knobs": {k: v for k, v in vars(args).items() if "bufreuse" in k or "hybridep" in k},
-                "hooked": "token_dispatch" in vars(model[0].moe.token_dispatcher),
+                "hooked": "_bufreuse_hooked" in vars(model[0].moe),
                 "script_arg": getattr(args, "script_flag", None),
             }
         )

@@ -43,7 +43,7 @@ def pretrain(
         + json.dumps(
             {
                 "knobs": {k: v for k, v in vars(_ARGS).items() if "bufreuse" in k or "hybridep" in k},
-                "hooked": "token_dispatch" in vars(moe.token_dispatcher),
+                "hooked": "_bufreuse_hooked" in vars(moe),
                 "script_arg": getattr(_ARGS, "script_flag", None),
             }
         )
