@@ -44,13 +44,15 @@ prepare() {
   [ "$kib" -lt 32768 ] || { echo "hybridep: .deepep is ${kib} KiB, over the 32 MiB this script allows" >&2; exit 3; }
 }
 
-# A CUDA toolkit with bin/nvcc: HybridEP's run-time JIT calls $CUDA_HOME/bin/nvcc itself.
+# A CUDA toolkit (bin/nvcc and include/cuda_runtime.h): HybridEP's run-time JIT calls $CUDA_HOME/bin/nvcc with
+# -I$CUDA_HOME/include itself, so a bare nvcc wrapper's parent (e.g. /usr/local) will not do.
 find_cuda() {
-  local c
-  for c in "${CUDA_HOME:-}" "$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /x/x/x)")")" \
+  local c nv
+  nv=$(command -v nvcc 2>/dev/null || true)
+  for c in "${CUDA_HOME:-}" \
     "$(python3 -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")' 2>/dev/null)" \
-    /usr/local/cuda; do
-    if [ -n "$c" ] && [ -x "$c/bin/nvcc" ]; then echo "$c"; return 0; fi
+    "${nv:+$(dirname "$(dirname "$(readlink -f "$nv")")")}" /usr/local/cuda /usr/local/cuda-*; do
+    if [ -n "$c" ] && [ -x "$c/bin/nvcc" ] && [ -f "$c/include/cuda_runtime.h" ]; then echo "$c"; return 0; fi
   done
   return 1
 }
@@ -88,7 +90,7 @@ EOF
 }
 
 device_env() {
-  CUDA_HOME=$(find_cuda) || { status "stopped: no CUDA toolkit with bin/nvcc (CUDA_HOME, PATH, torch, /usr/local/cuda)"; exit 10; }
+  CUDA_HOME=$(find_cuda) || { status "stopped: no CUDA toolkit with bin/nvcc and include/cuda_runtime.h (CUDA_HOME, torch, PATH, /usr/local/cuda*)"; exit 10; }
   export CUDA_HOME PATH=$CUDA_HOME/bin:$PATH
   export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} HYBRID_EP_MULTINODE=0 USE_NIXL=0
   export HYBRID_EP_CACHE_DIR=/tmp/deepep-jit NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
