@@ -107,6 +107,7 @@ build() {
     [ -f "$STAGE/src/setup.py" ] || { echo "no $STAGE/src/setup.py: run 'prepare' here and carry .deepep"; exit 11; }
     device_env
     echo "CUDA_HOME=$CUDA_HOME"; nvcc --version | tail -2
+    echo "JIT links: $(ls "$CUDA_HOME"/lib64/libcudart.so* 2>/dev/null | tr '\n' ' ')"
     python3 -c 'import torch.utils.cpp_extension as c; print("ninja available:", c.is_ninja_available())'
     python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")'
     if [ -f "$SITE/.built-$COMMIT" ] && ls "$SITE"/hybrid_ep_cpp*.so >/dev/null 2>&1; then
@@ -176,8 +177,11 @@ run() {
     -o addopts="-ra --strict-markers" >"$log" 2>&1
   local rc=$?
   tail -30 "$log"
-  if [ "$rc" = 0 ]; then
-    status "ok: build + test passed in $((SECONDS - t_start)) s (facts: $OUT/hybridep-facts.json)"
+  local summary; summary=$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -1 | tr -d '=')
+  if [ "$rc" = 0 ] && ! grep -qE '[0-9]+ passed' <<<"$summary"; then
+    rc=14; status "stopped: nothing passed ($summary); see $log"
+  elif [ "$rc" = 0 ]; then
+    status "ok:$summary; build + test $((SECONDS - t_start)) s (facts: $OUT/hybridep-facts.json)"
   else
     local why="test exit $rc"; [ "$rc" = 124 ] && why="test killed after ${RUN_TIMEOUT} s"
     status "stopped: $why; see $log and $OUT/hybridep-facts.json"
