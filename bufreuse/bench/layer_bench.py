@@ -375,7 +375,7 @@ def _run_round(
         wall = time.perf_counter() - start
         # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control).
         acquired = {name: s.acquisitions for name, s in pool.stats().items()} if inst is not None else {}
-        unused = dict(inst.unused) if inst is not None else {}
+        unused = dict(getattr(inst, "unused", {})) if inst is not None else {}
     finally:
         if inst is not None:
             inst.uninstall()
