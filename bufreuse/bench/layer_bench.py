@@ -105,6 +105,10 @@ class LayerBenchConfig:
     device: str | None = None
     """``cuda``/``cuda:N`` or ``cpu``; default: CUDA when available."""
     seed: int = 1234
+    pad: bool = False
+    """Pad-to-capacity routing (capacity factor 1.0) on CUDA too: megatron's dropless path makes the host
+    wait for the per-expert counts every call, which hides the hooks' host time; pad mode does not wait,
+    so host µs is Python and launches alone. CPU always runs pad mode."""
     preset: str | None = None
     """The preset the shape came from (recorded; :func:`layer_config` applies it)."""
 
@@ -269,9 +273,11 @@ def _build_layer(cfg: LayerBenchConfig, device: torch.device) -> Any:
     )
     if cfg.precision == "fp8":
         kw.update(fp8="hybrid", fp8_recipe="delayed")
-    if not cuda:
+    if not cuda or cfg.pad:
         # Dropless routing copies the per-expert counts to the host on a CUDA stream; pad mode does not.
-        kw.update(use_cpu_initialization=True, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    if not cuda:
+        kw.update(use_cpu_initialization=True)
     torch.manual_seed(cfg.seed)
     if cuda:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

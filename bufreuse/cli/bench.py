@@ -116,6 +116,14 @@ def layer(
         str, typer.Option(help="Comma list of arms against the control: ring, stream-ordered, record-stream.")
     ] = "ring",
     slots: Annotated[int, typer.Option(help="Slots of the dispatch and expert rings.")] = 3,
+    pad: Annotated[
+        bool,
+        typer.Option(
+            "--pad",
+            help="Pad-to-capacity routing on CUDA too: no per-call host wait for token counts, so host µs is "
+            "Python and launches alone (the hooks' cost).",
+        ),
+    ] = False,
     band_pct: Annotated[float, typer.Option(help="Parity band of the verdicts, percent.")] = 1.0,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
     json_out: Annotated[bool, json_option()] = False,
@@ -142,6 +150,7 @@ def layer(
         schedule=schedule,
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
         slots=slots,
+        pad=pad,
         band_pct=band_pct,
     )
     with progress_bar("bench layer rounds") as tick:
