@@ -10,7 +10,8 @@
 # Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
 # even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
 # iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed
-# past it), BUDGET_S (0 = none) seconds for all runs: a run starts only if the longest run so far (EST_RUN_S,
+# past it), BUDGET_S (0 = none) seconds from AB_T0 (epoch seconds; default: this script's start, so a device
+# call can start the clock before its set-up): a run starts only if the longest run so far (EST_RUN_S,
 # default 50, before the first) still fits, and its timeout never passes the budget; skipped runs are listed
 # in ab-skipped.txt and only complete rounds are compared.
 # Per family F it writes F-control-K.log / F-rings-K.log (K = 1..ROUNDS), then:
@@ -66,7 +67,7 @@ done
 
 if [ "$mode" = dry ]; then
   startup=${EST_STARTUP_S:-35}
-  step=${EST_STEP_S:-0.25}
+  step=${EST_STEP_S:-0.2}
   echo "== order (${#plan[@]} runs, ROUNDS=$ROUNDS, ITERS=$ITERS, LIMIT=${LIMIT}s each, BUDGET_S=$BUDGET_S):"
   for p in "${plan[@]}"; do
     read -r f arm k <<<"$p"
@@ -90,7 +91,7 @@ EOF
 fi
 
 if [ "$mode" != compare ]; then
-  t0=$SECONDS
+  t0=${AB_T0:-$(date +%s)}  # the budget's clock: AB_T0 (epoch seconds) when set before the device call's set-up
   longest=$EST_RUN_S
   rm -f "$out/ab-skipped.txt"
   printf '%s\n' "${plan[@]}" >"$out/ab-order.txt"
@@ -98,7 +99,7 @@ if [ "$mode" != compare ]; then
     read -r f arm k <<<"$p"
     limit=$LIMIT
     if [ "$BUDGET_S" -gt 0 ]; then
-      left=$((BUDGET_S - (SECONDS - t0)))
+      left=$((BUDGET_S - ($(date +%s) - t0)))
       if [ "$left" -lt "$longest" ]; then
         echo "== budget: $f-$arm-$k skipped (${left}s left of BUDGET_S=$BUDGET_S, a run takes up to ${longest}s)" \
           | tee -a "$out/ab-skipped.txt"
@@ -111,7 +112,7 @@ if [ "$mode" != compare ]; then
     LIMIT=$limit bash examples/megatron-h200/run.sh "$(run_name "$f" "$arm")@$f-$arm-$k" || status=1
     took=$((SECONDS - start))
     [ "$took" -gt "$longest" ] && longest=$took
-    echo "== $f-$arm-$k took ${took}s (all runs so far: $((SECONDS - t0))s)"
+    echo "== $f-$arm-$k took ${took}s ($(($(date +%s) - t0))s since the budget's clock started)"
   done
   [ "$mode" = runs ] && exit $status
 fi

@@ -116,3 +116,49 @@ def test_missing_round_is_bad_input(tmp_path: Path, capsys) -> None:
     out = _recorded_rounds(tmp_path, "F", ["te-round1"])
     assert summ.main(["--out", str(out), "--family", "F", "--rounds", "2"]) == 2
     assert "F-round2.json" in capsys.readouterr().err
+
+
+def _fake_torchrun(tmp_path: Path, sleep: float = 0.0) -> dict[str, str]:
+    """A `torchrun` on PATH that prints a recorded H200 log: rings when the ring knobs are in its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "torchrun"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f"sleep {sleep}\n"
+        'case "$*" in *--moe-hybridep-reuse-dispatch-output-buffers*) arm=rings ;; *) arm=control ;; esac\n'
+        f'echo "$*" >>"{tmp_path}/argv.txt"\n'
+        f'sed 1d "{RECORDED}/te-$arm-1.log"\n'
+    )
+    fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+
+
+def test_budget_lets_runs_start_while_they_fit(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = _ab(out, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="8", EST_RUN_S="1", **_fake_torchrun(tmp_path, 3))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert sorted(p.name for p in out.glob("*.log")) == ["gb-te-control-1.log", "gb-te-rings-1.log"]
+    skipped = (out / "ab-skipped.txt").read_text().splitlines()
+    assert [s.split()[2] for s in skipped] == ["gb-te-rings-2", "gb-te-control-2"]
+
+
+def test_rounds_end_to_end_with_a_fake_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = _ab(out, "gb-te-graph", ROUNDS="2", ITERS="7", **_fake_torchrun(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    argv = (tmp_path / "argv.txt").read_text().splitlines()
+    assert len(argv) == 4 and all("--train-iters 7" in a and "--cuda-graph-impl full_iteration" in a for a in argv)
+    assert ["reuse-dispatch" in a for a in argv] == [False, True, True, False]  # A B B A
+    s = json.loads((out / "gb-te-graph-summary.json").read_text())
+    # every control arm printed te-control-1.log (median 229.0 ms), every rings arm te-rings-1.log (246.2 ms)
+    assert [(r["control_ms"], r["rings_ms"]) for r in s["per_round"]] == [(229.0, 246.2), (229.0, 246.2)]
+    assert s["overall"]["verdict"] == "regression"
+    assert s["drift"]["neighbouring_controls"][0]["delta_pct"] == 0.0
+    assert s["ab_order"] == [
+        "gb-te-graph control 1",
+        "gb-te-graph rings 1",
+        "gb-te-graph rings 2",
+        "gb-te-graph control 2",
+    ]
+    assert "rings / control" in res.stdout
