@@ -92,9 +92,13 @@ fi
 
 if [ "$mode" != compare ]; then
   t0=${AB_T0:-$(date +%s)}  # the budget's clock: AB_T0 (epoch seconds) when set before the device call's set-up
-  longest=$EST_RUN_S
+  longest=$EST_RUN_S measured=0  # the longest run: EST_RUN_S until the first run has been timed
   rm -f "$out/ab-skipped.txt"
   printf '%s\n' "${plan[@]}" >"$out/ab-order.txt"
+  for p in "${plan[@]}"; do  # no stale log of an earlier call may stand in for a skipped run
+    read -r f arm k <<<"$p"
+    rm -f "$out/$f-$arm-$k.log"
+  done
   for p in "${plan[@]}"; do
     read -r f arm k <<<"$p"
     limit=$LIMIT
@@ -111,7 +115,8 @@ if [ "$mode" != compare ]; then
     start=$SECONDS
     LIMIT=$limit bash examples/megatron-h200/run.sh "$(run_name "$f" "$arm")@$f-$arm-$k" || status=1
     took=$((SECONDS - start))
-    [ "$took" -gt "$longest" ] && longest=$took
+    if [ $measured = 0 ] || [ "$took" -gt "$longest" ]; then longest=$took; fi
+    measured=1
     echo "== $f-$arm-$k took ${took}s ($(($(date +%s) - t0))s since the budget's clock started)"
   done
   [ "$mode" = runs ] && exit $status

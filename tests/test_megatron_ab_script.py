@@ -162,3 +162,11 @@ def test_rounds_end_to_end_with_a_fake_launcher(tmp_path: Path) -> None:
         "gb-te-graph control 2",
     ]
     assert "rings / control" in res.stdout
+
+
+def test_budget_uses_measured_runs_not_the_first_estimate(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # EST_RUN_S=6 lets the first run start; the measured ~2 s then let all four fit in 10 s (6 s would stop at 3)
+    res = _ab(out, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="10", EST_RUN_S="6", **_fake_torchrun(tmp_path, 2))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(list(out.glob("gb-te-*.log"))) == 4 and not (out / "ab-skipped.txt").exists()
