@@ -52,6 +52,7 @@ def test_dry_run_interleaves_a_b_b_a_per_family(tmp_path: Path) -> None:
 
 
 def test_budget_skips_runs_that_cannot_finish(tmp_path: Path) -> None:
+    (tmp_path / "gb-te-rings-2.log").write_text("an earlier call's log\n")  # must not stand in for a skipped run
     res = _ab(tmp_path, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="30", EST_RUN_S="50")
     assert res.returncode == 1
     skipped = (tmp_path / "ab-skipped.txt").read_text().splitlines()
