@@ -7,8 +7,9 @@ Reads what megatron-ab.sh wrote into DIR (``bufreuse compare --json`` outputs ``
 ``F-driftK.json``, ``F-drift.json``; ``compare_losses.py``'s ``F-losses.json``, ``F-losses-drift.json``;
 ``ab-order.txt``, ``ab-skipped.txt`` when present) and gives, from the step-time median:
 
-- per round: each arm's median step time, the ratio rings / control, its delta and 95% interval (ms and %
-  of the control), ``bufreuse compare``'s verdict;
+- per round: the arms' order (from ``ab-order.txt``; null when not recorded), each arm's median step time,
+  the ratio rings / control, its delta and 95% interval (ms and % of the control), ``bufreuse compare``'s
+  verdict;
 - overall: the median, min and max of the round ratios, one verdict (the rounds' common verdict, or
   ``inconclusive`` when they disagree), whether every round's interval lies inside the ±band, and the
   all-runs comparison against the first control;
@@ -87,13 +88,14 @@ def summarize(out: Path, family: str, rounds: int) -> dict[str, Any]:
     """The summary dictionary of one family's ``rounds`` complete rounds in ``out``."""
     if rounds < 1:
         raise SummaryError("--rounds must be at least 1")
+    order = _order(out, family)
     per_round = []
     for k in range(1, rounds + 1):
         row = _pair(out, f"{family}-round{k}")
         per_round.append(
             {
                 "round": k,
-                "order": "control rings" if k % 2 else "rings control",
+                "order": order.get(k),
                 "control_ms": row["baseline_ms"],
                 "rings_ms": row["value_ms"],
                 "ratio": row["ratio"],
@@ -141,6 +143,18 @@ def summarize(out: Path, family: str, rounds: int) -> dict[str, Any]:
     return summary
 
 
+def _order(out: Path, family: str) -> dict[int, str]:
+    """Each round's arm order as megatron-ab.sh ran it (``ab-order.txt``); empty when not recorded."""
+    path = out / "ab-order.txt"
+    arms: dict[int, list[str]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == family and parts[2].isdigit():
+                arms.setdefault(int(parts[2]), []).append(parts[1])
+    return {k: " ".join(v) for k, v in arms.items()}
+
+
 def _drift_row(row: dict[str, Any]) -> dict[str, Any]:
     keys = ("baseline", "label", "baseline_ms", "value_ms", "ratio", "delta_pct", "ci95_ms", "ci95_pct", "verdict")
     return {k: row[k] for k in keys}
@@ -162,7 +176,8 @@ def render(summary: dict[str, Any]) -> str:
         lo, hi = r["ci95_pct"]
         ci = "n/a" if lo is None else f"[{lo:+.2f}%, {hi:+.2f}%]"
         lines.append(
-            f"  round {r['round']} ({r['order']}): {r['control_ms']:.1f} -> {r['rings_ms']:.1f} ms, "
+            f"  round {r['round']} ({r['order'] or 'order not recorded'}): "
+            f"{r['control_ms']:.1f} -> {r['rings_ms']:.1f} ms, "
             f"ratio {r['ratio']:.4f} ({r['delta_pct']:+.2f}%), CI95 {ci}, {r['verdict']}"
         )
     o = summary["overall"]

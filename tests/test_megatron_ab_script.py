@@ -78,6 +78,7 @@ def test_summary_of_recorded_rounds(tmp_path: Path) -> None:
     s = json.loads((out / "s.json").read_text())
     # docs/benchmarks.md, TE bf16: round 1 229.0 -> 246.2 ms, round 2 206.8 -> 261.9 ms, drift 229.0 -> 206.8
     r1, r2 = s["per_round"]
+    assert r1["order"] is None and r2["order"] is None  # no ab-order.txt: the order is not guessed
     assert (r1["control_ms"], r1["rings_ms"]) == (229.0, 246.2)
     assert (r2["control_ms"], r2["rings_ms"]) == (206.8, 261.9)
     assert r1["ratio"] == pytest.approx(246.2 / 229.0) and r2["ratio"] == pytest.approx(261.9 / 206.8)
@@ -156,6 +157,7 @@ def test_rounds_end_to_end_with_a_fake_launcher(tmp_path: Path) -> None:
     assert [(r["control_ms"], r["rings_ms"]) for r in s["per_round"]] == [(229.0, 246.2), (229.0, 246.2)]
     assert s["overall"]["verdict"] == "regression"
     assert s["drift"]["neighbouring_controls"][0]["delta_pct"] == 0.0
+    assert [r["order"] for r in s["per_round"]] == ["control rings", "rings control"]
     assert s["ab_order"] == [
         "gb-te-graph control 1",
         "gb-te-graph rings 1",
