@@ -1,31 +1,126 @@
 #!/usr/bin/env bash
-# A B A B real-Megatron runs per family, then the comparisons, all into $OUT (default ./out).
+# Interleaved A/B rounds of real Megatron-LM training per family, then the comparisons, all into $OUT.
 # Usage (repo root, CUDA machine, MEGATRON_LM_PATH set; TE families need transformer_engine):
-#   OUT=out bash scripts/megatron-ab.sh [FAMILY...]     # FAMILY: local te te-fp8 (default: te te-fp8)
-#   OUT=out bash scripts/megatron-ab.sh --compare-only [FAMILY...]   # logs already in $OUT
-# Per family F it writes F-{control,rings}-{1,2}.log (examples/megatron-h200/run.sh ab-F), then:
-#   F-ab.txt / F-ab.json     bufreuse compare F-control-1 F-rings-1 F-control-2 F-rings-2 (baseline first)
-#   F-round1.{txt,json}, F-round2.{txt,json}   each round's control vs rings
-#   F-drift.{txt,json}       F-control-1 vs F-control-2 (the noise floor: same config, later in time)
-#   F-losses.{txt,json}      scripts/compare_losses.py, control vs rings per round, iteration by iteration
-#   F-losses-drift.{txt,json} F-control-1 vs F-control-2 losses (the loss noise floor of the same config)
+#   OUT=out bash scripts/megatron-ab.sh [FAMILY...]                 # runs, then the comparisons
+#   OUT=out bash scripts/megatron-ab.sh --runs-only [FAMILY...]     # runs only (compare elsewhere later)
+#   OUT=out bash scripts/megatron-ab.sh --compare-only [FAMILY...]  # logs already in $OUT
+#   DRY_RUN=1 bash scripts/megatron-ab.sh [FAMILY...]  (or --dry-run): the order, commands and a wall-time estimate
+# FAMILY (examples/megatron-h200/run.sh): gb-te gb-te-graph gb-te-fp8 (GPU-bound shape), local te te-fp8 (tiny,
+# host-bound). Default: gb-te gb-te-graph.
+# Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
+# even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
+# iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed
+# past it), BUDGET_S (0 = none) seconds from AB_T0 (epoch seconds; default: this script's start, so a device
+# call can start the clock before its set-up): a run starts only if the longest run so far (EST_RUN_S,
+# default 50, before the first) still fits, and its timeout never passes the budget; skipped runs are listed
+# in ab-skipped.txt and only complete rounds are compared.
+# Per family F it writes F-control-K.log / F-rings-K.log (K = 1..ROUNDS), then:
+#   F-roundK.{txt,json}   bufreuse compare F-control-K F-rings-K (each round's own verdict and interval)
+#   F-ab.{txt,json}       bufreuse compare over all runs, baseline F-control-1, in run order
+#   F-driftK.{txt,json}   F-control-K vs F-control-(K+1) (the noise floor between neighbouring rounds)
+#   F-drift.{txt,json}    F-control-1 vs the last control (the noise floor over the whole call)
+#   F-losses.{txt,json}   scripts/compare_losses.py, control vs rings per round, iteration by iteration
+#   F-losses-drift.{txt,json}  F-control-1 vs the last control's losses (TE is not bit-reproducible)
+#   F-summary.json        scripts/megatron_ab_summary.py: per round each arm's median step time and the ratio,
+#                         the verdicts and intervals, the drift figures (machine-readable)
 # Exit status: 0 when every command ran (whatever the verdicts or loss differences), 1 when a run or a
-# comparison failed (a run that exits non-zero, a log compare cannot read).
+# comparison failed (a run that exits non-zero or times out, a log compare cannot read, a budget-skipped run).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 export OUT=$out
+ROUNDS=${ROUNDS:-3}
+export ITERS=${ITERS:-20}
 WARMUP=${WARMUP:-5}
-compare_only=0
-if [ "${1:-}" = --compare-only ]; then
-  compare_only=1
-  shift
-fi
+LIMIT=${LIMIT:-180}
+BUDGET_S=${BUDGET_S:-0}
+EST_RUN_S=${EST_RUN_S:-50}
+mode=all
+[ "${DRY_RUN:-0}" = 1 ] && mode=dry
+case ${1:-} in
+  --compare-only) mode=compare; shift ;;
+  --runs-only) mode=runs; shift ;;
+  --dry-run) mode=dry; shift ;;
+esac
 families=("$@")
-[ ${#families[@]} -eq 0 ] && families=(te te-fp8)
+[ ${#families[@]} -eq 0 ] && families=(gb-te gb-te-graph)
 bufreuse() { python3 -m bufreuse "$@"; }
 status=0
+
+run_name() {  # family arm -> run.sh's run name
+  if [ "$1" = local ]; then echo "$2"; else echo "$1-$2"; fi
+}
+
+arms() {  # round -> its two arms in order: A B for odd rounds, B A for even ones
+  if [ $(($1 % 2)) = 1 ]; then echo control rings; else echo rings control; fi
+}
+
+plan=()  # "family arm round" in run order
+for ((k = 1; k <= ROUNDS; k++)); do
+  for f in "${families[@]}"; do
+    for arm in $(arms "$k"); do
+      plan+=("$f $arm $k")
+    done
+  done
+done
+
+if [ "$mode" = dry ]; then
+  startup=${EST_STARTUP_S:-35}
+  step=${EST_STEP_S:-0.2}
+  echo "== order (${#plan[@]} runs, ROUNDS=$ROUNDS, ITERS=$ITERS, LIMIT=${LIMIT}s each, BUDGET_S=$BUDGET_S):"
+  for p in "${plan[@]}"; do
+    read -r f arm k <<<"$p"
+    echo "$f-$arm-$k"
+  done
+  for p in "${plan[@]}"; do
+    read -r f arm k <<<"$p"
+    LIMIT=$LIMIT DRY_RUN=1 bash examples/megatron-h200/run.sh "$(run_name "$f" "$arm")@$f-$arm-$k" || status=1
+  done
+  python3 - "${#plan[@]}" "$startup" "$step" "$ITERS" "${#families[@]}" "$ROUNDS" <<'EOF'
+import sys
+runs, startup, step, iters, families, rounds = (float(a) for a in sys.argv[1:])
+per_run = startup + iters * step
+compare = families * (2 * (2 * rounds + 1) + 4) * 1.5  # ~1.5 s per `bufreuse compare` / loss script start
+print(f"== estimate: {int(runs)} runs x ({startup:.0f} s start-up and exit + {iters:.0f} x {step} s) = "
+      f"{runs * per_run:.0f} s of runs, + about {compare:.0f} s of comparisons = {runs * per_run + compare:.0f} s "
+      f"(EST_STARTUP_S, EST_STEP_S; start-up measured on the H200 from the 2026-12-03 TE logs: ~24 s to "
+      f"Megatron's library set-up, ~8 s to iteration 1, ~3 s exit)")
+EOF
+  exit $status
+fi
+
+if [ "$mode" != compare ]; then
+  t0=${AB_T0:-$(date +%s)}  # the budget's clock: AB_T0 (epoch seconds) when set before the device call's set-up
+  longest=$EST_RUN_S measured=0  # the longest run: EST_RUN_S until the first run has been timed
+  rm -f "$out/ab-skipped.txt"
+  printf '%s\n' "${plan[@]}" >"$out/ab-order.txt"
+  for p in "${plan[@]}"; do  # no stale log of an earlier call may stand in for a skipped run
+    read -r f arm k <<<"$p"
+    rm -f "$out/$f-$arm-$k.log"
+  done
+  for p in "${plan[@]}"; do
+    read -r f arm k <<<"$p"
+    limit=$LIMIT
+    if [ "$BUDGET_S" -gt 0 ]; then
+      left=$((BUDGET_S - ($(date +%s) - t0)))
+      if [ "$left" -lt "$longest" ]; then
+        echo "== budget: $f-$arm-$k skipped (${left}s left of BUDGET_S=$BUDGET_S, a run takes up to ${longest}s)" \
+          | tee -a "$out/ab-skipped.txt"
+        status=1
+        continue
+      fi
+      [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    start=$SECONDS
+    LIMIT=$limit bash examples/megatron-h200/run.sh "$(run_name "$f" "$arm")@$f-$arm-$k" || status=1
+    took=$((SECONDS - start))
+    if [ $measured = 0 ] || [ "$took" -gt "$longest" ]; then longest=$took; fi
+    measured=1
+    echo "== $f-$arm-$k took ${took}s ($(($(date +%s) - t0))s since the budget's clock started)"
+  done
+  [ "$mode" = runs ] && exit $status
+fi
 
 compare() {  # stem logs...: table and JSON of one `bufreuse compare`
   local stem=$1
@@ -38,29 +133,48 @@ compare() {  # stem logs...: table and JSON of one `bufreuse compare`
 }
 
 for f in "${families[@]}"; do
-  if [ $compare_only = 0 ]; then
-    bash examples/megatron-h200/run.sh "ab-$f" || status=1
-  fi
-  logs=()
-  for round in 1 2; do
-    for arm in control rings; do
-      logs+=("$out/$f-$arm-$round.log")
-    done
+  # complete rounds only: both arms' logs there, in round order
+  rounds=0
+  while [ $rounds -lt "$ROUNDS" ] && [ -f "$out/$f-control-$((rounds + 1)).log" ] \
+    && [ -f "$out/$f-rings-$((rounds + 1)).log" ]; do
+    rounds=$((rounds + 1))
   done
-  compare "$f-ab" "${logs[@]}"
-  compare "$f-round1" "${logs[0]}" "${logs[1]}"
-  compare "$f-round2" "${logs[2]}" "${logs[3]}"
-  compare "$f-drift" "${logs[0]}" "${logs[2]}"
-  python3 scripts/compare_losses.py --json "$out/$f-losses.json" \
-    "${logs[0]}" "${logs[1]}" "${logs[2]}" "${logs[3]}" >"$out/$f-losses.txt" 2>&1
+  if [ $rounds = 0 ]; then
+    echo "== $f: no complete round in $out (need $f-control-1.log and $f-rings-1.log)" >&2
+    status=1
+    continue
+  fi
+  [ $rounds -lt "$ROUNDS" ] && echo "== $f: $rounds of ROUNDS=$ROUNDS rounds complete in $out; comparing those"
+  logs=()  # in run order: A B B A A B ...
+  controls=()
+  pairs=()  # control rings, per round
+  for ((k = 1; k <= rounds; k++)); do
+    c=$out/$f-control-$k.log
+    r=$out/$f-rings-$k.log
+    if [ $((k % 2)) = 1 ]; then logs+=("$c" "$r"); else logs+=("$r" "$c"); fi
+    controls+=("$c")
+    pairs+=("$c" "$r")
+    compare "$f-round$k" "$c" "$r"
+  done
+  compare "$f-ab" "${controls[0]}" "${logs[@]:1}"
+  for ((k = 1; k < rounds; k++)); do
+    compare "$f-drift$k" "${controls[k - 1]}" "${controls[k]}"
+  done
+  [ $rounds -gt 1 ] && compare "$f-drift" "${controls[0]}" "${controls[rounds - 1]}"
+  python3 scripts/compare_losses.py --json "$out/$f-losses.json" "${pairs[@]}" >"$out/$f-losses.txt" 2>&1
   [ $? -le 1 ] || status=1  # 1 = losses differ: a finding, reported in F-losses.txt, not a failed command
   echo "== $f-losses"
   cat "$out/$f-losses.txt"
-  # the loss noise floor: the same configuration twice (TE's kernels are not bit-reproducible run to run)
-  python3 scripts/compare_losses.py --json "$out/$f-losses-drift.json" "${logs[0]}" "${logs[2]}" \
-    >"$out/$f-losses-drift.txt" 2>&1
-  [ $? -le 1 ] || status=1
-  echo "== $f-losses-drift"
-  tail -1 "$out/$f-losses-drift.txt"
+  if [ $rounds -gt 1 ]; then
+    # the loss noise floor: the same configuration twice (TE's kernels are not bit-reproducible run to run)
+    python3 scripts/compare_losses.py --json "$out/$f-losses-drift.json" "${controls[0]}" "${controls[rounds - 1]}" \
+      >"$out/$f-losses-drift.txt" 2>&1
+    [ $? -le 1 ] || status=1
+    echo "== $f-losses-drift"
+    tail -1 "$out/$f-losses-drift.txt"
+  fi
+  echo "== $f-summary ($f-summary.json)"
+  python3 scripts/megatron_ab_summary.py --out "$out" --family "$f" --rounds "$rounds" --json "$out/$f-summary.json" \
+    || status=1
 done
 exit $status

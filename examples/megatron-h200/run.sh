@@ -2,30 +2,46 @@
 # Real Megatron-LM pretraining (pretrain_gpt.py) through the bufreuse entry wrapper on one GPU.
 # Usage (repo root, on a CUDA machine with megatron-core importable):
 #   MEGATRON_LM_PATH=/path/to/Megatron-LM OUT=out bash examples/megatron-h200/run.sh [RUN...]
-# RUN: control rings rings-graph            local spec, no TE (the 2026-12-02 runs), 50 iterations
-#      te-control te-rings                  TE spec (TEGroupedMLP, grouped GEMM), bf16, 50 iterations
+# RUN: control rings rings-graph            local spec, no TE (the 2026-12-02 runs), tiny shape
+#      te-control te-rings                  TE spec (TEGroupedMLP, grouped GEMM), bf16, tiny shape
 #      te-fp8-control te-fp8-rings          the same with FP8 (hybrid format, delayed scaling)
+#      gb-te-control gb-te-rings            GPU-bound shape (hidden 4096, 16 experts top-4, seq 4096,
+#                                           2 layers), TE spec, grouped GEMM, bf16, 4 + 4 ring slots
+#      gb-te-graph-control gb-te-graph-rings   the same with full-iteration CUDA graphs
+#      gb-te-fp8-control gb-te-fp8-rings    the GPU-bound TE shape with FP8 (hybrid, delayed)
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
 #      ab-<family>                          A B A B: <family>-control, <family>-rings, twice (family:
-#                                           local, te, te-fp8), logs <family>-control-1 ... -rings-2
-# (no RUN: control rings rings-graph). Writes OUT/<name>.log per run (and OUT/<name>.pickle, the
-# allocator snapshot, for mem-* runs only: the timed runs never record memory history).
+#                                           local, te, te-fp8, gb-te, ...), logs <family>-control-1 ...
+#      <run>@<log>                          <run>, logged as OUT/<log>.log (scripts/megatron-ab.sh uses it)
+# (no RUN: control rings rings-graph). ITERS iterations per timed run (default 50), LIMIT seconds per
+# run (default 240; a run past it is killed). Writes OUT/<name>.log per run (and OUT/<name>.pickle,
+# the allocator snapshot, for mem-* runs only: the timed runs never record memory history).
 # TE runs need transformer_engine importable (on the lent H200: scripts/device-te.sh, then
-# PYTHONPATH=/tmp/site). scripts/megatron-ab.sh runs an A/B family and compares it.
+# PYTHONPATH=/tmp/site). scripts/megatron-ab.sh runs interleaved A/B rounds and compares them.
+# DRY_RUN=1 prints each run's command line instead of running it. LAUNCHER=python runs the entry without
+# torchrun (one process, RANK/WORLD_SIZE/MASTER_* set by hand); the default is torchrun.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
+[ "${DRY_RUN:-0}" = 1 ] && : "${MEGATRON_LM_PATH:=.mlm}"
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (pretrain_gpt.py)}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 ITERS=${ITERS:-50}
-COMMON=(
+TINY=(  # host-bound: 10-17 TFLOP/s on an H200 with TE
   --num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 --moe-ffn-hidden-size 1024
   --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
-  --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 --min-lr 1e-5
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32768
+  --micro-batch-size 2 --global-batch-size 8 --num-experts 8 --moe-router-topk 2
+)
+GB=(  # GPU-bound, shaped like MoE training: 16 experts top-4, 4 micro-batches of 4096 tokens
+  --num-layers 2 --hidden-size 4096 --ffn-hidden-size 4096 --moe-ffn-hidden-size 2048
+  --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096
+  --micro-batch-size 1 --global-batch-size 4 --num-experts 16 --moe-router-topk 4
+)
+COMMON=(
+  --lr 1e-4 --min-lr 1e-5 --mock-data --tokenizer-type NullTokenizer --vocab-size 32768
   --no-gradient-accumulation-fusion --bf16 --no-masked-softmax-fusion --disable-bias-linear
   --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm
-  --num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 1
+  --moe-token-dispatcher-type alltoall --expert-model-parallel-size 1
   --log-interval 1 --log-throughput --log-memory-interval 10 --eval-iters 0 --eval-interval 100000 --seed 1234
 )
 LOCAL=(--transformer-impl local)
@@ -33,17 +49,40 @@ TE=(--transformer-impl transformer_engine --moe-grouped-gemm)
 FP8=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
 RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
   --moe-hybridep-num-expert-output-buffers 2)
+# GPU-bound rings: 4 slots each, as the seed ran them. `bufreuse plan` on the gb-te-graph arguments asks for
+# at least 2 dispatch and 1 expert slot (eager gb-te: 1 and 1). At EP = 1 the all-to-all dispatch is an
+# identity and bufreuse leaves it alone (install() notes the dispatch ring unused): only the expert FC2
+# ring is active in these runs.
+GB_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 4
+  --moe-hybridep-num-expert-output-buffers 4)
 GRAPH=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --no-check-for-nan-in-loss-and-grad
   --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
 
-run() {  # name iters timeout_s extra args...
-  local name=$1 iters=$2 limit=$3
-  shift 3
-  local args=("${COMMON[@]}" --train-iters "$iters" "$@")
-  echo "== $name: torchrun --nproc-per-node 1 -m bufreuse.integrations.entry ${args[*]}" | tee "$out/$name.log"
-  timeout "$limit" torchrun --nproc-per-node 1 --master-port 29533 -m bufreuse.integrations.entry \
-    "${args[@]}" >>"$out/$name.log" 2>&1
-  echo "== $name exit $?" | tee -a "$out/$name.log"
+run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
+  local name=$1 iters=$2 limit=$3 shape=$4
+  shift 4
+  local -n shape_args=$shape
+  local args=("${shape_args[@]}" "${COMMON[@]}" --train-iters "$iters" "$@")
+  local rc launch=(torchrun --nproc-per-node 1 --master-port 29533)
+  # LAUNCHER=python: one process, torchrun's environment set by hand (saves torchrun's own start-up)
+  [ "${LAUNCHER:-torchrun}" = python ] && launch=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 python3)
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "== $name (timeout ${limit}s): ${launch[*]} -m bufreuse.integrations.entry ${args[*]}"
+    return 0
+  fi
+  echo "== $name: ${launch[*]} -m bufreuse.integrations.entry ${args[*]}" | tee "$out/$name.log"
+  timeout -k 15 "$limit" "${launch[@]}" -m bufreuse.integrations.entry "${args[@]}" >>"$out/$name.log" 2>&1
+  rc=$?
+  echo "== $name exit $rc" | tee -a "$out/$name.log"
+  return $rc
+}
+
+shape() {  # run name -> the name of its shape array
+  case $1 in
+    gb-*) echo GB ;;
+    *) echo TINY ;;
+  esac
 }
 
 spec() {  # run name -> the arguments after COMMON (empty and status 1 for an unknown name)
@@ -55,6 +94,12 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
     te-rings) echo "${TE[*]} ${RINGS[*]}" ;;
     te-fp8-control) echo "${TE[*]} ${FP8[*]}" ;;
     te-fp8-rings) echo "${TE[*]} ${FP8[*]} ${RINGS[*]}" ;;
+    gb-te-control) echo "${TE[*]}" ;;
+    gb-te-rings) echo "${TE[*]} ${GB_RINGS[*]}" ;;
+    gb-te-graph-control) echo "${TE[*]} ${GRAPH[*]}" ;;
+    gb-te-graph-rings) echo "${TE[*]} ${GB_RINGS[*]} ${GRAPH[*]}" ;;
+    gb-te-fp8-control) echo "${TE[*]} ${FP8[*]}" ;;
+    gb-te-fp8-rings) echo "${TE[*]} ${FP8[*]} ${GB_RINGS[*]}" ;;
     *) return 1 ;;
   esac
 }
@@ -63,7 +108,7 @@ timed() {  # name [log name]: one timed run (no memory history)
   local extra
   extra=$(spec "$1") || { echo "unknown run $1" >&2; return 2; }
   # shellcheck disable=SC2086  # spec's words are flags without spaces
-  run "${2:-$1}" "$ITERS" "${LIMIT:-240}" $extra
+  run "${2:-$1}" "$ITERS" "${LIMIT:-240}" "$(shape "$1")" $extra
 }
 
 names=("$@")
@@ -75,7 +120,7 @@ for name in "${names[@]}"; do
       base=${name#mem-}
       extra=$(spec "$base") || { echo "unknown run $base" >&2; status=2; continue; }
       # shellcheck disable=SC2086
-      run "$name" 16 "${LIMIT:-240}" $extra --record-memory-history --memory-snapshot-path "$out/$name.pickle" ;;
+      run "$name" 16 "${LIMIT:-240}" "$(shape "$base")" $extra --record-memory-history --memory-snapshot-path "$out/$name.pickle" ;;
     ab-*)
       family=${name#ab-}
       prefix=$family
@@ -85,6 +130,7 @@ for name in "${names[@]}"; do
           timed "${prefix:+$prefix-}$arm" "$family-$arm-$round" || status=2
         done
       done ;;
+    *@*) timed "${name%%@*}" "${name#*@}" || status=2 ;;
     *) timed "$name" || status=2 ;;
   esac
 done

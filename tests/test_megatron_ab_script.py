@@ -1,0 +1,175 @@
+"""``scripts/megatron-ab.sh`` (run order, budget guard) and ``scripts/megatron_ab_summary.py`` (F-summary.json)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = ROOT / "examples" / "megatron-h200" / "h200-2026-12-03-te"
+_spec = importlib.util.spec_from_file_location("megatron_ab_summary", ROOT / "scripts" / "megatron_ab_summary.py")
+assert _spec is not None and _spec.loader is not None
+summ = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("megatron_ab_summary", summ)
+_spec.loader.exec_module(summ)
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _ab(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "OUT": str(tmp_path), "MEGATRON_LM_PATH": str(tmp_path), **env}
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "megatron-ab.sh"), *args], env=full, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_dry_run_interleaves_a_b_b_a_per_family(tmp_path: Path) -> None:
+    res = _ab(tmp_path, "gb-te", "gb-te-graph", DRY_RUN="1", ROUNDS="3")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    start = lines.index(next(x for x in lines if x.startswith("== order (12 runs")))
+    order = lines[start + 1 : start + 13]
+    expected = []
+    for k in (1, 2, 3):
+        arms = ("control", "rings") if k % 2 else ("rings", "control")
+        expected += [f"{f}-{a}-{k}" for f in ("gb-te", "gb-te-graph") for a in arms]
+    assert order == expected
+    commands = {x.split()[1]: x for x in lines if x.startswith("== gb-")}
+    assert "--cuda-graph-impl full_iteration" in commands["gb-te-graph-rings-2"]
+    assert "--cuda-graph-impl full_iteration" not in commands["gb-te-rings-2"]
+    assert "--moe-hybridep-num-expert-output-buffers 4" in commands["gb-te-rings-1"]
+    assert "--moe-hybridep" not in commands["gb-te-control-1"]  # the control installs nothing
+    assert "--hidden-size 4096" in commands["gb-te-control-3"] and "--train-iters 20" in commands["gb-te-control-3"]
+    assert "--hidden-size 1024" not in commands["gb-te-control-3"]
+    assert "== estimate: 12 runs" in res.stdout
+
+
+def test_budget_skips_runs_that_cannot_finish(tmp_path: Path) -> None:
+    (tmp_path / "gb-te-rings-2.log").write_text("an earlier call's log\n")  # must not stand in for a skipped run
+    res = _ab(tmp_path, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="30", EST_RUN_S="50")
+    assert res.returncode == 1
+    skipped = (tmp_path / "ab-skipped.txt").read_text().splitlines()
+    assert [s.split()[2] for s in skipped] == ["gb-te-control-1", "gb-te-rings-1", "gb-te-rings-2", "gb-te-control-2"]
+    assert not list(tmp_path.glob("*.log"))  # nothing started
+
+
+def _recorded_rounds(tmp_path: Path, family: str, rounds: list[str]) -> Path:
+    """Real `bufreuse compare --json` outputs of the 2026-12-03 TE runs, renamed as one family's rounds."""
+    for k, src in enumerate(rounds, start=1):
+        shutil.copy(RECORDED / f"{src}.json", tmp_path / f"{family}-round{k}.json")
+    shutil.copy(RECORDED / "te-drift.json", tmp_path / f"{family}-drift1.json")
+    shutil.copy(RECORDED / "te-drift.json", tmp_path / f"{family}-drift.json")
+    shutil.copy(RECORDED / "te-ab.json", tmp_path / f"{family}-ab.json")
+    shutil.copy(RECORDED / "te-losses.json", tmp_path / f"{family}-losses.json")
+    shutil.copy(RECORDED / "te-losses-drift.json", tmp_path / f"{family}-losses-drift.json")
+    return tmp_path
+
+
+def test_summary_of_recorded_rounds(tmp_path: Path) -> None:
+    out = _recorded_rounds(tmp_path, "F", ["te-round1", "te-round2"])
+    assert summ.main(["--out", str(out), "--family", "F", "--rounds", "2", "--json", str(out / "s.json")]) == 0
+    s = json.loads((out / "s.json").read_text())
+    # docs/benchmarks.md, TE bf16: round 1 229.0 -> 246.2 ms, round 2 206.8 -> 261.9 ms, drift 229.0 -> 206.8
+    r1, r2 = s["per_round"]
+    assert r1["order"] is None and r2["order"] is None  # no ab-order.txt: the order is not guessed
+    assert (r1["control_ms"], r1["rings_ms"]) == (229.0, 246.2)
+    assert (r2["control_ms"], r2["rings_ms"]) == (206.8, 261.9)
+    assert r1["ratio"] == pytest.approx(246.2 / 229.0) and r2["ratio"] == pytest.approx(261.9 / 206.8)
+    assert r1["ci95_pct"] == pytest.approx([100 * 4.0 / 229.0, 100 * 33.2 / 229.0], abs=1e-6)
+    assert s["overall"]["verdict"] == "regression"
+    assert s["overall"]["ratio_median_of_rounds"] == pytest.approx((246.2 / 229.0 + 261.9 / 206.8) / 2)
+    assert s["overall"]["every_round_ci_inside_band"] is False
+    assert [r["label"] for r in s["overall"]["all_runs_vs_first_control"]] == [
+        "te-rings-1",
+        "te-control-2",
+        "te-rings-2",
+    ]
+    assert s["drift"]["first_vs_last_control"]["delta_pct"] == pytest.approx(100 * (206.8 - 229.0) / 229.0)
+    assert s["drift"]["max_abs_pct"] == pytest.approx(100 * 22.2 / 229.0)
+    assert s["losses"]["control_vs_control_max_abs"] == [pytest.approx(0.0445, abs=5e-5)]
+
+
+def test_rounds_that_disagree_are_inconclusive(tmp_path: Path) -> None:
+    out = _recorded_rounds(tmp_path, "F", ["te-round1", "te-fp8-round1"])  # regression, then improvement
+    s = summ.summarize(out, "F", 2)
+    assert s["overall"]["round_verdicts"] == ["regression", "improvement"]
+    assert s["overall"]["verdict"] == "inconclusive"
+
+
+def test_interval_inside_the_band(tmp_path: Path) -> None:
+    out = _recorded_rounds(tmp_path, "F", ["te-round1"])
+    data = json.loads((out / "F-round1.json").read_text())
+    m = next(m for m in data["comparisons"][0]["metrics"] if m["metric"] == "step_ms_median")
+    m.update(value=229.5, delta=0.5, ci_low=-1.0, ci_high=2.0, verdict="parity")  # ±2.29 ms band = ±1%
+    (out / "F-round1.json").write_text(json.dumps(data))
+    s = summ.summarize(out, "F", 1)
+    assert s["overall"]["every_round_ci_inside_band"] is True and s["overall"]["verdict"] == "parity"
+    assert s["drift"]["first_vs_last_control"] is None  # one round: no second control
+
+
+def test_missing_round_is_bad_input(tmp_path: Path, capsys) -> None:
+    out = _recorded_rounds(tmp_path, "F", ["te-round1"])
+    assert summ.main(["--out", str(out), "--family", "F", "--rounds", "2"]) == 2
+    assert "F-round2.json" in capsys.readouterr().err
+
+
+def _fake_torchrun(tmp_path: Path, sleep: float = 0.0) -> dict[str, str]:
+    """A `torchrun` on PATH that prints a recorded H200 log: rings when the ring knobs are in its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "torchrun"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f"sleep {sleep}\n"
+        'case "$*" in *--moe-hybridep-reuse-dispatch-output-buffers*) arm=rings ;; *) arm=control ;; esac\n'
+        f'echo "$*" >>"{tmp_path}/argv.txt"\n'
+        f'sed 1d "{RECORDED}/te-$arm-1.log"\n'
+    )
+    fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+
+
+def test_budget_lets_runs_start_while_they_fit(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = _ab(out, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="8", EST_RUN_S="1", **_fake_torchrun(tmp_path, 3))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert sorted(p.name for p in out.glob("*.log")) == ["gb-te-control-1.log", "gb-te-rings-1.log"]
+    skipped = (out / "ab-skipped.txt").read_text().splitlines()
+    assert [s.split()[2] for s in skipped] == ["gb-te-rings-2", "gb-te-control-2"]
+
+
+def test_rounds_end_to_end_with_a_fake_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = _ab(out, "gb-te-graph", ROUNDS="2", ITERS="7", **_fake_torchrun(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    argv = (tmp_path / "argv.txt").read_text().splitlines()
+    assert len(argv) == 4 and all("--train-iters 7" in a and "--cuda-graph-impl full_iteration" in a for a in argv)
+    assert ["reuse-dispatch" in a for a in argv] == [False, True, True, False]  # A B B A
+    s = json.loads((out / "gb-te-graph-summary.json").read_text())
+    # every control arm printed te-control-1.log (median 229.0 ms), every rings arm te-rings-1.log (246.2 ms)
+    assert [(r["control_ms"], r["rings_ms"]) for r in s["per_round"]] == [(229.0, 246.2), (229.0, 246.2)]
+    assert s["overall"]["verdict"] == "regression"
+    assert s["drift"]["neighbouring_controls"][0]["delta_pct"] == 0.0
+    assert [r["order"] for r in s["per_round"]] == ["control rings", "rings control"]
+    assert s["ab_order"] == [
+        "gb-te-graph control 1",
+        "gb-te-graph rings 1",
+        "gb-te-graph rings 2",
+        "gb-te-graph control 2",
+    ]
+    assert "rings / control" in res.stdout
+
+
+def test_budget_uses_measured_runs_not_the_first_estimate(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # EST_RUN_S=6 lets the first run start; the measured ~2 s then let all four fit in 10 s (6 s would stop at 3)
+    res = _ab(out, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="10", EST_RUN_S="6", **_fake_torchrun(tmp_path, 2))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(list(out.glob("gb-te-*.log"))) == 4 and not (out / "ab-skipped.txt").exists()
