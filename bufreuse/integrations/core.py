@@ -139,7 +139,7 @@ def _refusal_row(key: str) -> Requirement:
     r = next(r for r in REFUSALS if r.key == key)
     return Requirement(
         key=r.key,
-        buffers=frozenset({r.buffer}),
+        buffers=BOTH if r.buffer == "both" else frozenset({r.buffer}),
         paths=PATHS,
         policies=RING,
         text=r.text,

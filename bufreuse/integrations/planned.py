@@ -12,6 +12,7 @@ and the cycle the GPU would be stuck in. The planned minimum is remembered per p
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -96,16 +97,12 @@ def check_depths(
         problems.append(text)
     if problems:
         raise ConfigError("; ".join(problems))
-    try:
+    with contextlib.suppress(TypeError):  # a pool that cannot be weakly referenced: nothing to quote later
         _PLANNED.setdefault(inst.pool, {}).update(planned)
-    except TypeError:
-        pass
     return planned
 
 
 def forget(pool: BufferPool) -> None:
     """Drop what was planned for ``pool`` (its last installation is gone)."""
-    try:
+    with contextlib.suppress(TypeError):
         _PLANNED.pop(pool, None)
-    except TypeError:
-        pass

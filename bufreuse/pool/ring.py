@@ -190,7 +190,9 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         Raises:
             StaticShapeError: beyond the bound or another dtype.
             EarlyReuseError: every slot held (and no growth or fallback allowed); names the depth needed.
-            CaptureStateError: after a capture until ``after_replay``; growth/fallback under capture.
+            CaptureStateError: after a capture until ``after_replay``; growth/fallback under capture; an
+                eager ring acquired under a capture it was not prepared for (a per-layer graph; checked in
+                production mode too, one C call per acquisition).
         """
         if self._phase is Phase.GRAPHED:
             raise CaptureStateError(
@@ -215,6 +217,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                 self._check_stream(stream)
             if self.debug:
                 self._check_capture_state()
+            elif self._phase is Phase.EAGER and self._ops.capturing():
+                self._check_capture_state()  # a per-layer graph capturing an eager ring: raises before any change
             event = slot.wait_on
             if event is not None and slot.wait_stream is not stream:
                 self._ops.wait(event, stream)
