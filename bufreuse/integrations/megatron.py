@@ -104,6 +104,7 @@ def install(
         )
     ring_slots = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
     if layers and ring_slots:
+        _refuse_scheduled_release(layers[0].config)
         chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
         check_depths(inst, layers[0].config, chunk_layers, knobs_slots=ring_slots)
     inst.activate()
@@ -146,6 +147,25 @@ def installed(
         yield inst
     finally:
         inst.uninstall()
+
+
+def _refuse_scheduled_release(cfg: Any) -> None:
+    """Refuse rings under EP overlap where megatron's combined-1F1B scheduled tensor release exists.
+
+    That release (Megatron-LM dev, not in a PyPI release yet) binds producer streams to tensor objects and
+    empties consumed storage with ``resize_(0)`` outside ``ScheduleNode.free_input``, which is the only
+    place the ring's skip is patched; a ring slot's storage is the whole ring.
+    """
+    from bufreuse.integrations._compat_megatron import scheduled_tensor_release
+
+    module = scheduled_tensor_release() if getattr(cfg, "overlap_moe_expert_parallel_comm", False) else None
+    if module is not None:
+        raise ConfigError(
+            f"this megatron-core has the combined-1F1B scheduled tensor release ({module}), which frees consumed "
+            "storage outside ScheduleNode.free_input, where bufreuse keeps ring storage alive; ring buffers under "
+            "overlap_moe_expert_parallel_comm are refused there -> use the stream-ordered policy "
+            "(moe_bufreuse_dispatch_policy / moe_bufreuse_expert_policy) or a megatron-core release without it"
+        )
 
 
 def _forget_plan(inst: Installation) -> None:
