@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 from bufreuse.config import BufReuseConfig
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.core import (
+    KNOBS,
     Installation,
     PathAdapter,
     active_installations,
+    effective_config,
     install_refusals,
     shared_patch,
     shared_patches_applied,
@@ -106,7 +108,8 @@ def install(
     if layers and ring_slots:
         _refuse_scheduled_release(layers[0].config)
         chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
-        check_depths(inst, layers[0].config, chunk_layers, knobs_slots=ring_slots)
+        fields = effective_config(layers[0].config)
+        check_depths(inst, fields, chunk_layers, knobs_slots=ring_slots, knob_names=KNOBS)
     inst.activate()
     inst.on_uninstall(functools.partial(_forget_plan, inst))
     try:

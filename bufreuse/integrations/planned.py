@@ -36,17 +36,24 @@ def planned_minimum(pool: BufferPool, ring: str) -> tuple[int, str] | None:
 
 
 def check_depths(
-    inst: Any, cfg: Any, chunk_layers: list[int] | None, *, knobs_slots: dict[str, int | str]
+    inst: Any,
+    fields: Any,
+    chunk_layers: list[int] | None,
+    *,
+    knobs_slots: dict[str, int | str],
+    knob_names: dict[str, str],
 ) -> dict[str, tuple[int, str]]:
     """Plan the ring buffers in ``knobs_slots`` for the schedule ``cfg`` describes; refuse a fixed count
     below the minimum.
 
     Args:
         inst: the installation (its ``num_microbatches``, ``pp_rank``, ``pool``).
-        cfg: the layers' ``TransformerConfig`` (or a mapping), as the release rules read it.
+        fields: the layers' config as a mapping, as the release rules read it in this process
+            (``core.effective_config``).
         chunk_layers: MoE layers in each model chunk when the install covers every chunk of the rank,
             else None (then the config's ``num_layers`` / ``moe_layer_freq`` split decides).
         knobs_slots: buffer (``dispatch``/``expert``) -> configured slots (int or ``"auto"``), ring policy.
+        knob_names: ring name -> the knob that sets its slot count (``core.KNOBS``).
 
     Returns:
         Ring name -> (planned minimum, schedule in words) for the buffers the planner could plan.
@@ -55,13 +62,11 @@ def check_depths(
         ConfigError: a fixed slot count below the planned minimum (every such ring in one message).
     """
     from bufreuse.config import BUFFERS
-    from bufreuse.integrations.core import KNOBS, effective_config
     from bufreuse.plan import ReleasePoint, moe_layers_per_chunk, plan_schedule, release_rules, schedule_of
     from bufreuse.plan.rules import dispatch_path
 
     if not knobs_slots:
         return {}
-    fields = effective_config(cfg)
     m = inst.num_microbatches or 1  # unknown: plan one microbatch, a lower bound of every longer schedule
     try:
         spec = schedule_of(fields, microbatches=int(m), pp_rank=inst.pp_rank)
@@ -86,7 +91,7 @@ def check_depths(
         planned[ring] = (plan.minimum, where)
         if plan.ok:
             continue
-        knob = KNOBS.get(ring, "the slot count")
+        knob = knob_names.get(ring, "the slot count")
         text = (
             f"ring '{ring}': {knob}={plan.configured} is below the planner's minimum {plan.minimum} for this "
             f"schedule ({where}; released at {plan.rule.point.value}: {plan.rule.reason}) -> set {knob} to at "
