@@ -81,9 +81,10 @@ def drive(
     pool's ``EarlyReuseError`` when a ring is too small.
     """
     dev = torch.device(device)
-    pools: dict[int, BufferPool] = {}  # one pool per model chunk, as the planner assumes
+    pools: dict[int, BufferPool] = {}  # one pool for every model chunk, as install() and the entry register it
 
     def pool_of(chunk: int) -> BufferPool:
+        chunk = 0
         if chunk not in pools:
             pool = pools[chunk] = BufferPool(dev, debug=debug)
             for buf, n in slots.items():

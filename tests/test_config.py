@@ -101,6 +101,10 @@ BREAKERS = {
     "unfused_permute": (_alltoall_cfg, {"moe_permute_fusion": True}),
     "no_shared_expert_overlap": (_alltoall_cfg, {"moe_shared_expert_overlap": True}),
     "no_cuda_graphs": (_alltoall_cfg, {"cuda_graph_impl": "full_iteration"}),
+    "no_hybridep_probs_on_input": (_hybridep_cfg, {"moe_apply_probs_on_input": True}),
+    "no_per_layer_cuda_graphs": (_hybridep_cfg, {"cuda_graph_impl": "transformer_engine"}),
+    "no_paged_stash": (_alltoall_cfg, {"moe_paged_stash": True}),
+    "no_te_cpu_offload": (_alltoall_cfg, {"cpu_offloading": True}),
 }
 
 

@@ -92,3 +92,33 @@ def test_entry_without_checkout_says_how_to_point_at_it(tmp_path: Path) -> None:
 def test_entry_rejects_unknown_arguments_like_upstream() -> None:
     res = _run(["--megatron-lm", str(FAKE), "--no-such-flag"])
     assert res.returncode == 2 and "unrecognized arguments: --no-such-flag" in res.stderr
+
+
+def _vpp(slots: int) -> subprocess.CompletedProcess[str]:
+    """PP 2 x VPP 2, 4 layers (one MoE layer per chunk), 4 microbatches, rank 0; one local expert, so the
+    bf16 expert GEMM saves the dispatch slot (released after backward)."""
+    return _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--num-layers", "4", "--num-experts", "1",
+                 "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                 "--moe-hybridep-reuse-dispatch-output-buffers", "--moe-hybridep-num-dispatch-output-buffers",
+                 str(slots), "--moe-hybridep-num-expert-output-buffers", "0"])  # fmt: skip
+
+
+def test_entry_vpp_chunks_share_one_ring_sized_by_the_plan() -> None:
+    # Rank 0 of p = 2, v = 2 (g = p): megatron's warm-up is 2 (p - 1) + (v - 1) g = 4 forwards, the steady
+    # phase runs one more before the first backward, and every one holds its chunk's single MoE layer's slot
+    # in the one ring both chunks share: 5. A pool per chunk would have needed min(m, 2g, w + 1) = 4 per ring.
+    need = 1 * min(4 * 2, (2 * (2 - 1) + (2 - 1) * 2) + 1)
+    ok = _vpp(need)
+    assert ok.returncode == 0, ok.stderr
+    seen = _seen(ok.stdout)
+    assert seen["chunks"] == 2 and seen["hooked_layers"] == 2
+    hooked = [ln for ln in ok.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked")]
+    assert len(hooked) == 2  # one install per chunk (upstream calls model_provider per vp_stage) ...
+    rings = {ln.split("persistent bytes ", 1)[1] for ln in hooked}
+    assert len(rings) == 1 and rings.pop().count("=") == 1  # ... into one pool: one dispatch ring, same bytes
+    short = _vpp(need - 1)
+    assert short.returncode == 2 and "FAKE-PRETRAIN" not in short.stdout
+    err = short.stderr.strip().splitlines()[-1]
+    assert f"moe_hybridep_num_dispatch_output_buffers={need - 1} is below the planner's minimum {need}" in err
+    assert "schedule interleaved, PP rank 0 of 2, VPP 2, 4 microbatch(es)" in err and "dispatch.fwd(mb" in err

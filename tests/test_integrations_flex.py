@@ -35,6 +35,7 @@ from bufreuse.config import BufReuseConfig, static_bounds  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
 from bufreuse.integrations.hybridep.output_token import OutputTokenInjector  # noqa: E402
 from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.plan.rules import REFUSALS  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
 
 HIDDEN, SEQ, MBS, EXPERTS, TOPK, FACTOR = 32, 16, 4, 4, 2, 8.0
@@ -324,3 +325,27 @@ def test_pad_to_capacity_bound_matches_the_manager(hybridep, monkeypatch) -> Non
         mgr = layer.token_dispatcher._comm_manager
         assert d.shape[0] == mgr.num_permuted_tokens == mgr.capacity * EXPERTS == bound.rows  # capacity x EP x local
         assert hybridep._hybrid_ep_buffer.output_tokens[-1].data_ptr() == d.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "key"),
+    [
+        ("moe_apply_probs_on_input", True, "no_hybridep_probs_on_input"),
+        ("cuda_graph_impl", "transformer_engine", "no_per_layer_cuda_graphs"),
+        ("cuda_graph_impl", "local", "no_per_layer_cuda_graphs"),
+        ("moe_paged_stash", True, "no_paged_stash"),
+        ("cpu_offloading", True, "no_te_cpu_offload"),
+    ],
+)
+def test_install_refuses_the_hybridep_ring_by_name(hybridep, monkeypatch, field, value, key) -> None:
+    """probs * hidden saves the slot the HybridEP adapter releases at the forward (silently wrong gradients);
+    per-layer graphs bake slot addresses; paged stash / TE CPU offload push saved-tensor hooks that do not nest."""
+    layer = _layer(monkeypatch)
+    with install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS) as inst:  # control: the same layer installs
+        assert inst.layers == 1
+    setattr(layer.config, field, value)
+    mgr = layer.token_dispatcher._comm_manager
+    with pytest.raises(ConfigError, match=key) as err:
+        install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    assert next(r.fix for r in REFUSALS if r.key == key) in str(err.value)
+    assert "dispatch" not in vars(mgr) and "forward" not in vars(layer.experts)  # nothing stays hooked

@@ -405,3 +405,21 @@ def test_auto_ring_cap_below_one_slot_is_refused_by_name(parallel) -> None:
     with pytest.raises(ConfigError, match=r"moe_bufreuse_auto_max_mib=1 holds no 'dispatch_output' slot.*>= 2"):
         install(layer, BufferPool("cpu"), _auto_knobs(cap_mib=1), tokens=2 * AUTO_TOKENS)
     assert "token_dispatch" not in vars(layer.token_dispatcher)  # nothing stayed replaced
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "key"),
+    [
+        ("cuda_graph_impl", "transformer_engine", "no_per_layer_cuda_graphs"),
+        ("moe_paged_stash", True, "no_paged_stash"),
+        ("cpu_offloading", True, "no_te_cpu_offload"),
+    ],
+)
+def test_install_refuses_nested_saved_tensor_hooks_and_per_layer_graphs(parallel, field, value, key) -> None:
+    layer = _layer(8)
+    with install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS) as inst:  # control
+        assert inst.layers == 1
+    setattr(layer.config, field, value)
+    with pytest.raises(ConfigError, match=key):
+        install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
+    assert "token_dispatch" not in vars(layer.token_dispatcher)

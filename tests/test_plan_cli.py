@@ -108,7 +108,9 @@ def test_plan_interleaved_reports_each_chunk(tmp_path):
     data = json.loads(runner.invoke(app, ["plan", str(cfg), "--json"]).stdout)
     b = data["buffers"][0]
     assert data["schedule"]["kind"] == "interleaved" and b["per_chunk"] == {"0": 16, "1": 8}
-    assert b["rings"] == 2 and b["persistent_bytes"] == 16 * b["slot_bytes"] * 2
+    # one ring for both chunks: 2 MoE layers x (rank 0's warm-up 2 (4 - 1) + (2 - 1) 4 = 10, plus one)
+    assert b["minimum"] == 2 * (10 + 1) and b["ok"] is False
+    assert b["rings"] == 1 and b["persistent_bytes"] == 22 * b["slot_bytes"]
 
 
 def test_plan_table_renders(tmp_path):

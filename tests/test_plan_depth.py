@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from bufreuse.plan.depth import closed_form, grows_with, pending_at, ring_depths
+from bufreuse.plan.depth import ALL_CHUNKS, closed_form, grows_with, pending_at, ring_depths
 from bufreuse.plan.ops import expand
 from bufreuse.plan.rules import ReleasePoint, ReleaseRule
 from bufreuse.plan.schedule import ScheduleKind, ScheduleSpec, build_steps
 from bufreuse.plan.slots import proxy_minimum, proxy_ops
 
 K, P = ScheduleKind, ReleasePoint
+
+
+def _rules(point, buffer="dispatch"):
+    return {buffer: ReleaseRule(buffer=buffer, point=point, reason="")}
 
 
 def _minimum(spec, point, layers, *, buffer="dispatch", recompute=False):
@@ -69,17 +73,22 @@ def test_interleaved_and_combined_backward_match_the_closed_form(kind, p, v):
                 assert _minimum(spec, P.BACKWARD, layers) == want, (p, v, r, m, layers, formula)
 
 
-def test_interleaved_rank0_needs_two_microbatch_groups_per_layer():
+def test_interleaved_rank0_shared_ring_holds_every_warmup_forward_plus_one():
+    p, layers = 4, 2
     for v in (2, 3, 4):
-        spec = ScheduleSpec(kind=K.INTERLEAVED, pp=4, rank=0, microbatches=16, vpp=v)
-        assert _minimum(spec, P.BACKWARD, 2) == 2 * 4 * 2
+        spec = ScheduleSpec(kind=K.INTERLEAVED, pp=p, rank=0, microbatches=16, vpp=v)
+        warmup = 2 * (p - 1) + (v - 1) * p  # megatron's interleaved warm-up on rank 0, m v >= it
+        assert _minimum(spec, P.BACKWARD, layers) == layers * (warmup + 1)
+        per_chunk = ring_depths(expand(build_steps(spec), [layers] * v, _rules(P.BACKWARD)), per_chunk=True)
+        assert max(d.peak for d in per_chunk.values()) == layers * 2 * p  # a pool per chunk: chunk 0's share
 
 
 def test_interleaved_minimum_stops_growing_with_microbatches():
     by_m = {
         m: _minimum(ScheduleSpec(kind=K.INTERLEAVED, pp=4, microbatches=m, vpp=2), P.BACKWARD, 1) for m in (4, 8, 16)
     }
-    assert by_m == {4: 4, 8: 8, 16: 8}
+    # every virtual microbatch in flight (m v = 8) until the warm-up (10) + 1 caps it
+    assert by_m == {4: 8, 8: 11, 16: 11}
     assert not grows_with(by_m)
     assert grows_with({4: 4, 8: 8})
 
@@ -93,11 +102,16 @@ def test_closed_form_names_what_the_minimum_grows_with():
         closed_form(spec, P.REFUSED, 2)
 
 
-def test_one_ring_per_chunk_peaks_at_chunk_zero():
+def test_shared_ring_and_per_chunk_rings():
     spec = ScheduleSpec(kind=K.INTERLEAVED, pp=4, rank=3, microbatches=8, vpp=2)
-    rules = {"dispatch": ReleaseRule(buffer="dispatch", point=P.BACKWARD, reason="")}
-    depths = ring_depths(expand(build_steps(spec), [1, 1], rules))
-    assert {c: d.peak for (_, c), d in depths.items()} == {0: 5, 1: 1}
+    ops = expand(build_steps(spec), [1, 1], _rules(P.BACKWARD))
+    assert {c: d.peak for (_, c), d in ring_depths(ops, per_chunk=True).items()} == {0: 5, 1: 1}
+    assert {c: d.peak for (_, c), d in ring_depths(ops).items()} == {ALL_CHUNKS: 5}
+    spec = ScheduleSpec(kind=K.INTERLEAVED, pp=2, rank=0, microbatches=4, vpp=2)
+    ops = expand(build_steps(spec), [1, 1], _rules(P.BACKWARD))
+    chunks = {c: d.peak for (_, c), d in ring_depths(ops, per_chunk=True).items()}
+    shared = ring_depths(ops)["dispatch", ALL_CHUNKS].peak
+    assert max(chunks.values()) < shared <= sum(chunks.values())  # chunks hold slots at the same time
 
 
 def test_proxy_dispatch_ring_holds_two_and_expert_ring_one():

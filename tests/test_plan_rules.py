@@ -26,8 +26,35 @@ def test_dispatch_released_after_wgrad_with_delayed_wgrad():
 
 
 def test_probs_on_input_saves_the_slot_even_with_fp8():
-    rule = release_rule({**HYBRIDEP, "fp8": "e4m3", "moe_apply_probs_on_input": True}, "dispatch")
+    one_expert = {**ALLTOALL, "num_moe_experts": 1, "expert_model_parallel_size": 1}  # the experts read the slot
+    rule = release_rule({**one_expert, "fp8": "e4m3", "moe_apply_probs_on_input": True}, "dispatch")
     assert rule.point is ReleasePoint.BACKWARD and rule.fields == ("moe_apply_probs_on_input",)
+
+
+def test_probs_on_input_refuses_the_hybridep_dispatch_ring_by_name():
+    rule = release_rule({**HYBRIDEP, "fp8": "e4m3", "moe_apply_probs_on_input": True}, "dispatch")
+    assert rule.point is ReleasePoint.REFUSED and rule.refusals == ("no_hybridep_probs_on_input",)
+    assert "moe_apply_probs_on_input=False" in rule.reason
+    assert release_rule({**HYBRIDEP, "fp8": "e4m3"}, "dispatch").point is ReleasePoint.FORWARD  # control
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"cuda_graph_impl": "transformer_engine"}, "no_per_layer_cuda_graphs"),
+        ({"cuda_graph_impl": "local"}, "no_per_layer_cuda_graphs"),
+        ({"enable_cuda_graph": True}, "no_per_layer_cuda_graphs"),
+        ({"moe_paged_stash": True}, "no_paged_stash"),
+        ({"cpu_offloading": True}, "no_te_cpu_offload"),
+    ],
+)
+@pytest.mark.parametrize("base", [HYBRIDEP, ALLTOALL], ids=["hybridep", "alltoall"])
+def test_nested_hooks_and_per_layer_graphs_refuse_both_rings(base, fields, key):
+    for buffer in ("dispatch", "expert"):
+        rule = release_rule({**base, "fp8": "e4m3", **fields}, buffer)
+        assert rule.point is ReleasePoint.REFUSED and key in rule.refusals, buffer
+        control = release_rule({**base, "fp8": "e4m3", "cuda_graph_impl": "full_iteration"}, buffer)
+        assert control.point is not ReleasePoint.REFUSED and not control.refusals
 
 
 def test_fused_group_mlp_offload_refuses_the_dispatch_ring():

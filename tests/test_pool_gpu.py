@@ -358,3 +358,22 @@ def test_hold_keeps_next_producer_off_the_slot_until_done(dev):
     torch.cuda.synchronize()
     assert bool((seen == 3.0).all()), "the next producer overwrote the slot before the held reader read it"
     pool.release("dispatch_output", again, comm)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_acquire_under_an_unprepared_capture_raises_in_both_modes(dev, debug, monkeypatch):
+    """A per-layer CUDA graph capturing an eager ring: refused before the slot is handed out."""
+    from bufreuse.pool import CaptureStateError
+
+    monkeypatch.delenv("BUFREUSE_DEBUG", raising=False)
+    pool = BufferPool(dev, debug=debug)
+    pool.register("dispatch_output", policy="ring", num_slots=2, max_shape=(64, 64), dtype=torch.float32)
+    pool.release("dispatch_output", pool.acquire("dispatch_output"))  # eager use first (control: works)
+    torch.cuda.synchronize()
+    g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    with pytest.raises(CaptureStateError, match="without prepare_capture"), torch.cuda.graph(g, stream=stream):
+        pool.acquire("dispatch_output")
+    assert pool.get("dispatch_output").held == 0
+    with pool.graph_capture(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):  # prepared: fine
+        pool.release("dispatch_output", pool.acquire("dispatch_output"))
+    pool.close()

@@ -139,8 +139,8 @@ def _render(file: Path, data: dict) -> None:
     if not any(b["slot_bytes"] for b in data["buffers"]):
         console.print("[dim]memory columns need the tokens per microbatch (--seq-length, --micro-batch-size)[/]")
     console.print(
-        "[dim]ring memory = minimum x slot bytes x model chunks (one ring each); control pending = bound-sized "
-        "buffers the record-stream control holds pending-free at its max-active point[/]"
+        "[dim]ring memory = minimum x slot bytes (one ring per buffer, shared by the rank's model chunks); "
+        "control pending = bound-sized buffers the record-stream control holds pending-free at its max-active point[/]"
     )
     console.print("[dim]assumptions: " + "; ".join(data["assumptions"]) + "[/]")
 

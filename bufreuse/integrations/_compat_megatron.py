@@ -18,6 +18,8 @@ from typing import Any
 
 __all__ = [
     "CONTRACT",
+    "EXTRA",
+    "SCHEDULED_RELEASE_MODULES",
     "Assumption",
     "comm_manager",
     "contract_problems",
@@ -29,6 +31,8 @@ __all__ = [
     "patch_bulk_offload",
     "patch_hybrid_ep_buffer",
     "patch_schedule_node_free_input",
+    "recorded_problems",
+    "scheduled_tensor_release",
     "shared_capture_stream",
     "skip_ring_forced_release",
     "skip_ring_free_input",
@@ -110,6 +114,57 @@ CONTRACT: tuple[Assumption, ...] = (
 )
 """What ``tests/test_compat_megatron.py`` checks against each supported megatron-core."""
 
+_MOE = "megatron.core.transformer.moe.moe_layer"
+_TE_EXT = "megatron.core.extensions.transformer_engine"
+
+EXTRA: tuple[Assumption, ...] = (
+    Assumption(
+        module=_EXPERTS,
+        attr="TEGroupedMLP.forward",
+        params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs", "output_buffer"),
+        optional=True,
+        used_by="TE adapter, op-fuser route: output_buffer= (refused by name where absent)",
+    ),
+    Assumption(
+        module=_TE_EXT,
+        attr="TEGroupedLinear.forward",
+        params=("self", "x", "m_splits"),
+        optional=True,
+        used_by="TE adapter, module route: FC2 called as (x, m_splits); the TE class gets out=",
+    ),
+    Assumption(
+        module=_PP,
+        attr="ScheduleNode.__init__",
+        params=("self", "forward_func", "stream", "event", "backward_func", "free_input"),
+        used_by="free_input skips ring storage",
+    ),
+    Assumption(
+        module="megatron.core.pipeline_parallel.combined_1f1b_tensor_release",
+        attr="Combined1F1BTensorRelease",
+        optional=True,
+        used_by="combined-1F1B scheduled tensor release: refused with the ring under EP overlap",
+    ),
+    Assumption(module=_MOE, attr="MoELayer.routed_experts_compute", used_by="every adapter: experts hook"),
+    Assumption(module=_MOE, attr="MoELayer.backward_dw", optional=True, used_by="delayed wgrad"),
+    Assumption(module=_TD, attr="MoEAlltoAllTokenDispatcher.token_dispatch", used_by="NCCL adapter: dispatch hook"),
+    Assumption(
+        module=_TD, attr="MoEAlltoAllTokenDispatcher.dispatch_postprocess", used_by="NCCL adapter: sort release"
+    ),
+    Assumption(module=_TD, attr="MoEAlltoAllTokenDispatcher.combine_preprocess", used_by="NCCL adapter: FC2 release"),
+    Assumption(module=_TD, attr="MoEAlltoAllTokenDispatcher.token_combine", used_by="NCCL adapter: FC2 release"),
+    Assumption(module=_TD, attr="MoEAlltoAllTokenDispatcher.combine_postprocess", used_by="NCCL adapter: FC2 release"),
+)
+"""Upstream names the adapters reach through instance overrides or feature checks rather than this module;
+recorded for Megatron-LM main/dev (``scripts/record_megatron_contract.py``) beside :data:`CONTRACT`."""
+
+SCHEDULED_RELEASE_MODULES = (
+    "megatron.core.pipeline_parallel.combined_1f1b_tensor_release",
+    "megatron.core.pipeline_parallel.tensor_lifetime",
+)
+"""Megatron-LM dev's combined-1F1B scheduled tensor release (PR 7062 and its successor): it binds producer
+streams to tensor objects, rejects storage aliases in a node transition, and empties consumed storage with
+``untyped_storage().resize_(0)`` -- a ring slot's storage is the whole ring. Not on PyPI releases yet."""
+
 
 def _resolve(module: str, attr: str) -> Any:
     import importlib
@@ -147,9 +202,47 @@ def contract_problems(contract: tuple[Assumption, ...] = CONTRACT) -> list[str]:
             except (TypeError, ValueError) as e:
                 problems.append(f"{where} has no inspectable signature: {e}")
                 continue
-            if names[: len(a.params)] != a.params:
-                problems.append(f"{where} takes {names}, expected it to start with {a.params}")
+            problems += _param_problem(a, names, where)
     return problems
+
+
+def recorded_problems(symbols: dict[str, dict], contract: tuple[Assumption, ...], label: str) -> list[str]:
+    """:func:`contract_problems` over a recording (``module:attr`` -> ``{"present", "params"}``) of sources
+    that cannot be installed (Megatron-LM main/dev); parameters as the recorder writes them (``*args``)."""
+    problems = []
+    for a in contract:
+        where = f"{label}: {a.module}.{a.attr} (used by {a.used_by})"
+        entry = symbols.get(f"{a.module}:{a.attr}")
+        if entry is None:
+            problems.append(f"{where} was not recorded (re-run scripts/record_megatron_contract.py)")
+            continue
+        if not entry["present"]:
+            if not a.optional:
+                problems.append(f"{where} is missing")
+            continue
+        if a.params is not None and entry["params"] is not None:
+            names = tuple(n.lstrip("*") for n in entry["params"])
+            problems += _param_problem(a, names, where)
+    return problems
+
+
+def _param_problem(a: Assumption, names: tuple[str, ...], where: str) -> list[str]:
+    if names[: len(a.params or ())] != a.params:
+        return [f"{where} takes {names}, expected it to start with {a.params}"]
+    return []
+
+
+def scheduled_tensor_release() -> str | None:
+    """The module of megatron's combined-1F1B scheduled tensor release when importable, else None."""
+    import importlib.util
+
+    for name in SCHEDULED_RELEASE_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
 
 
 def hybridep_manager_cls() -> type | None:

@@ -140,7 +140,7 @@ def _refusal_row(key: str) -> Requirement:
     r = next(r for r in REFUSALS if r.key == key)
     return Requirement(
         key=r.key,
-        buffers=frozenset({r.buffer}),
+        buffers=BOTH if r.buffer == "both" else frozenset({r.buffer}),
         paths=PATHS,
         policies=RING,
         text=r.text,
@@ -358,13 +358,18 @@ def acquire_with_hint(
     try:
         tensor = pool.acquire(name, shape)
     except EarlyReuseError as e:
-        knob = KNOBS.get(name, "the slot count")
-        hint = f"raise {knob} to at least {e.min_depth}"
+        from bufreuse.integrations.planned import planned_minimum
+
+        knob, plan = KNOBS.get(name, "the slot count"), planned_minimum(pool, name)
+        need = max(e.min_depth or 0, plan[0] if plan else 0)
+        hint = f"raise {knob} to at least {need}"
         if getattr(pool.get(name), "max_bytes", None) is not None:  # num_slots='auto': the cap or the settling
             hint = (
-                f"raise moe_bufreuse_auto_max_mib (the 'auto' ring's cap) to hold at least {e.min_depth} slots, "
-                f"or set {knob} to at least {e.min_depth}"
+                f"raise moe_bufreuse_auto_max_mib (the 'auto' ring's cap) to hold at least {need} slots, "
+                f"or set {knob} to at least {need}"
             )
+        if plan:
+            hint += f" (the planner's minimum for this schedule is {plan[0]}: {plan[1]})"
         raise EarlyReuseError(
             f"{e} -> {hint}",
             ring=e.ring,

@@ -19,19 +19,23 @@ everything; nothing is patched at import time.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from bufreuse.config import BufReuseConfig
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.core import (
+    KNOBS,
     Installation,
     PathAdapter,
     active_installations,
+    effective_config,
     install_refusals,
     shared_patch,
     shared_patches_applied,
 )
+from bufreuse.integrations.planned import check_depths, forget
 from bufreuse.integrations.registry import ADAPTERS
 
 if TYPE_CHECKING:
@@ -58,7 +62,10 @@ def install(
 
     Each hooked ring's release rule (:mod:`bufreuse.plan.rules`, the planner's table) is kept in
     ``Installation.expected_release`` and logged once at debug level; the refusals that are release
-    rules come from the same table.
+    rules come from the same table. A fixed slot count is checked against the planner's minimum for the
+    schedule the layers are installed into (:func:`bufreuse.integrations.planned.check_depths`: pipeline
+    kind, PP/VPP rank, ``num_microbatches``, MoE layers per chunk, release rules) before anything is
+    hooked.
 
     Run :func:`bufreuse.integrations.requirements.validate` first: it names every unmet setting at
     once, where ``install`` refuses at the first layer it cannot hook.
@@ -80,8 +87,9 @@ def install(
 
     Raises:
         ConfigError: ``tokens`` < 1; MoE layers already hooked; a layer on a dispatcher no adapter
-            supports; a layer with settings its adapter does not replay (all of a layer's problems
-            in one message). Nothing stays replaced when it raises.
+            supports; a fixed slot count below the planned minimum (naming the minimum, the knob and the
+            cycle); a layer with settings its adapter does not replay (all of a layer's problems in one
+            message). Nothing stays replaced when it raises.
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -107,7 +115,14 @@ def install(
             f"found {sorted(set(bad))} (set moe_token_dispatcher_type='alltoall', or 'flex' with "
             "moe_flex_dispatcher_backend='hybridep')"
         )
+    ring_slots = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
+    if layers and ring_slots:
+        _refuse_scheduled_release(layers[0].config)
+        chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
+        fields = effective_config(layers[0].config)
+        check_depths(inst, fields, chunk_layers, knobs_slots=ring_slots, knob_names=KNOBS)
     inst.activate()
+    inst.on_uninstall(functools.partial(_forget_plan, inst))
     try:
         for layer, chosen in plans:
             path = next(a.path for a in chosen if a.dispatcher)
@@ -155,6 +170,31 @@ def installed(
         yield inst
     finally:
         inst.uninstall()
+
+
+def _refuse_scheduled_release(cfg: Any) -> None:
+    """Refuse rings under EP overlap where megatron's combined-1F1B scheduled tensor release exists.
+
+    That release (Megatron-LM dev, not in a PyPI release yet) binds producer streams to tensor objects and
+    empties consumed storage with ``resize_(0)`` outside ``ScheduleNode.free_input``, which is the only
+    place the ring's skip is patched; a ring slot's storage is the whole ring.
+    """
+    from bufreuse.integrations._compat_megatron import scheduled_tensor_release
+
+    module = scheduled_tensor_release() if getattr(cfg, "overlap_moe_expert_parallel_comm", False) else None
+    if module is not None:
+        raise ConfigError(
+            f"this megatron-core has the combined-1F1B scheduled tensor release ({module}), which frees consumed "
+            "storage outside ScheduleNode.free_input, where bufreuse keeps ring storage alive; ring buffers under "
+            "overlap_moe_expert_parallel_comm are refused there -> use the stream-ordered policy "
+            "(moe_bufreuse_dispatch_policy / moe_bufreuse_expert_policy) or a megatron-core release without it"
+        )
+
+
+def _forget_plan(inst: Installation) -> None:
+    """At uninstall: drop the pool's planned minimums once no other live installation uses the pool."""
+    if not any(i.pool is inst.pool for i in active_installations() if i is not inst):
+        forget(inst.pool)
 
 
 def _adapters_for(layer: Any, inst: Installation) -> list[PathAdapter]:

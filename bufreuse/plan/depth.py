@@ -1,9 +1,11 @@
 """The minimum safe slot count of each ring: the most acquisitions held at once on one rank.
 
-A ring is shared by every MoE layer of one model chunk (``install()`` registers one ring per buffer
-name in the pool it is given; the planner assumes one pool per model chunk). The ring hands out a
-free slot or raises ``EarlyReuseError``, so it runs the schedule iff ``slots >= max held``: the
-minimum is the peak of ``acquisitions - releases`` over the rank's program order (:func:`ring_depths`).
+A ring is shared by every MoE layer of every model chunk on the rank: ``install()`` registers one ring
+per buffer name in the pool it is given, and the entry (``bufreuse-megatron``) gives every chunk of a
+virtual-pipelining rank the same pool. The ring hands out a free slot or raises ``EarlyReuseError``,
+so it runs the schedule iff ``slots >= max held``: the minimum is the peak of ``acquisitions -
+releases`` over the rank's program order, all chunks together (:func:`ring_depths`; ``per_chunk=True``
+gives each chunk's own share, the figure a pool per chunk would need).
 
 Closed forms (``L`` MoE layers per chunk, rank ``r`` of ``p``, ``m`` microbatches, ``w`` warm-up
 forwards of :func:`bufreuse.plan.schedule.warmup_forwards`), each checked against the simulation in
@@ -15,19 +17,17 @@ forwards of :func:`bufreuse.plan.schedule.warmup_forwards`), each checked agains
 - **backward release, none**: **L**. F(i) holds its L acquisitions until B(i).
 - **backward release, 1F1B**: **L x (min(p - r - 1, m) + 1)**, i.e. **L x (p - r)** for ``m >= p - r``.
   The steady phase runs F(w + i) before B(i): ``w + 1`` forwards are in flight, each holding L slots.
-- **backward release, interleaved** (``g`` = microbatch_group_size_per_vp_stage, default p; ``w`` =
-  ``min(2 (p - r - 1) + (v - 1) g, m v)``): **L x min(m, 2g, w + 1)**, the peak of the chunk-0 ring.
-  Chunk c's forwards occupy table positions ``[c g, (c + 1) g)`` of every group of ``v g`` virtual
-  microbatches and its backwards (chunk ``v - 1 - c`` in the backward mapping) positions
-  ``[(v - 1 - c) g, (v - c) g)``, ``w`` steps later: chunk 0 runs its forwards first and its backwards
-  last, so up to two groups (2g) of its microbatches are in flight, fewer when the warm-up is shorter
-  (``w + 1``) or the iteration has fewer microbatches (``m``). For rank 0 with ``g = p`` that is
-  **2 p L**, independent of v; constant in m for ``m >= 2g``, linear in L.
+- **backward release, interleaved** (``w`` = ``min(2 (p - r - 1) + (v - 1) g, m v)`` warm-up forwards,
+  ``g`` = microbatch_group_size_per_vp_stage, default p): **L x min(m v, w + 1)**. Every forward in
+  flight holds L slots of the shared ring whatever its chunk, and the steady phase runs one more forward
+  before the first backward. For rank 0 with ``g = p``: **L x min(m v, (v + 1) p - 1)**. A pool per
+  chunk would need ``L x min(m, 2g, w + 1)`` in each of its v rings (the chunk-0 ring's peak), never
+  fewer slots in total.
 - **combined-1F1B, PP > 1** (the interleaved order with one extra warm-up forward, steady steps
-  overlapped): **L x min(m, 2g, w)** with the combined ``w`` (interleaved ``w`` + 1): the same figure as
+  overlapped): **L x min(m v, w)** with the combined ``w`` (interleaved ``w`` + 1): the same as
   interleaved, because in every overlapped layer pair the backward's release precedes the forward's
   acquisition. ``wgrad`` release: that figure or one more (when the peak step pairs a forward and a
-  backward of the same chunk); no closed form is kept, the simulation decides. Forward release: **1**.
+  backward); no closed form is kept, the simulation decides. Forward release: **1**.
 
 Verified by simulation for p in {2, 3, 4, 8}, v in {2, 3, 4}, p <= m <= 4p, every rank, L in {1, 2, 3},
 g in {p, p + 1} (``tests/test_plan_depth.py`` keeps a sample of these).
@@ -45,15 +45,16 @@ from bufreuse.plan.ops import Op
 from bufreuse.plan.rules import ReleasePoint
 from bufreuse.plan.schedule import ScheduleKind, ScheduleSpec, warmup_forwards
 
-__all__ = ["RingDepth", "closed_form", "grows_with", "pending_at", "ring_depths"]
+__all__ = ["ALL_CHUNKS", "RingDepth", "closed_form", "grows_with", "pending_at", "ring_depths"]
 
 
 @dataclass(kw_only=True, slots=True)
 class RingDepth:
-    """The peak of one ring (one buffer of one model chunk) over the schedule."""
+    """The peak of one ring (one buffer, all model chunks or one) over the schedule."""
 
     buffer: str
     chunk: int
+    """``ALL_CHUNKS`` for the rank's shared ring, else the model chunk."""
     peak: int
     """Most acquisitions held at once = the minimum safe slot count."""
     peak_op: int
@@ -62,15 +63,23 @@ class RingDepth:
     """Acquisitions in one iteration."""
 
 
-def ring_depths(ops: Iterable[Op]) -> dict[tuple[str, int], RingDepth]:
-    """Peak held per ``(buffer, chunk)`` ring over ``ops`` (one pass, O(ops))."""
+ALL_CHUNKS = -1
+"""The ``chunk`` of a ring shared by every model chunk of the rank."""
+
+
+def ring_depths(ops: Iterable[Op], *, per_chunk: bool = False) -> dict[tuple[str, int], RingDepth]:
+    """Peak held per ring over ``ops`` (one pass, O(ops)).
+
+    Keys are ``(buffer, ALL_CHUNKS)``: one ring per buffer shared by the rank's chunks (what ``install()``
+    and the entry register); ``per_chunk=True`` keys ``(buffer, chunk)``: one ring per chunk.
+    """
     held: dict[tuple[str, int], int] = {}
     out: dict[tuple[str, int], RingDepth] = {}
     for op in ops:
         for acq in op.releases:
-            held[acq[0], acq[1]] -= 1
+            held[acq[0], acq[1] if per_chunk else ALL_CHUNKS] -= 1
         for acq in op.acquires:
-            key = (acq[0], acq[1])
+            key = (acq[0], acq[1] if per_chunk else ALL_CHUNKS)
             n = held.get(key, 0) + 1
             held[key] = n
             d = out.get(key)
@@ -106,12 +115,13 @@ def closed_form(
         return L + extra, "L + 1" if extra else "L"
     if spec.kind is ScheduleKind.ONE_F_ONE_B:
         return L * min(m, spec.pp - spec.rank), "L x min(m, p - r)"
-    g, w = spec.microbatch_group, warmup_forwards(spec)
+    w = warmup_forwards(spec)
+    v = spec.vpp
     if spec.kind is ScheduleKind.INTERLEAVED:
-        return L * min(m, 2 * g, w + 1), "L x min(m, 2g, w + 1)"
+        return L * min(m * v, w + 1), "L x min(m v, w + 1)"
     if point is ReleasePoint.WGRAD:
-        return None  # L x min(m, 2g, w) or one more, depending on which chunks pair at the peak
-    return L * min(m, 2 * g, w), "L x min(m, 2g, w)"
+        return None  # L x min(m v, w) or one more, depending on which passes pair at the peak
+    return L * min(m * v, w), "L x min(m v, w)"
 
 
 def pending_at(ops: Sequence[Op], buffer: str, lag_steps: int) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bufreuse.plan.depth import ALL_CHUNKS
 from bufreuse.plan.ops import COMM, COMPUTE, Acq, Op
 
 __all__ = ["Cycle", "HazardReport", "find_hazards", "producer_stream"]
@@ -46,6 +47,7 @@ class Cycle:
     ring: str
     """The pool's ring name (``dispatch_output`` / ``expert_fc2_output``)."""
     chunk: int
+    """The ring's model chunk; ``ALL_CHUNKS`` for the rank's shared ring."""
     slot: int
     waiter: Op
     """The producer that waits on the slot."""
@@ -71,7 +73,8 @@ class Cycle:
             keep = [*keep[:4], None, *keep[-3:]]
         hops = " -> ".join("..." if op is None else op.label() for op in keep)
         return (
-            f"ring '{self.ring}' (chunk {self.chunk}) slot {self.slot}: {self.waiter.label()} waits on the release "
+            f"ring '{self.ring}'{f' (chunk {self.chunk})' if self.chunk >= 0 else ''} slot {self.slot}: "
+            f"{self.waiter.label()} waits on the release "
             f"in {self.holder.label()}, which runs after it: {hops} -> (waits) {self.waiter.name}; "
             f"streams {' and '.join(self.streams)}"
         )
@@ -111,14 +114,17 @@ def find_hazards(
     *,
     policies: Mapping[str, str] | None = None,
     first_only: bool = True,
+    per_chunk: bool = False,
 ) -> HazardReport:
     """Build the happens-before graph of ``ops`` and report the ring waits that close a cycle.
 
     Args:
         ops: operations in host program order.
-        slots: ring slots per buffer (``dispatch``/``expert``), the same for every chunk's ring.
+        slots: ring slots per buffer (``dispatch``/``expert``).
         policies: ``ring`` (default) or ``stream-ordered`` per buffer.
         first_only: stop at the first cycle of each ring (the GPU is stuck there anyway).
+        per_chunk: one ring per model chunk (default: one per buffer shared by the rank's chunks, as
+            ``install()`` and the entry register them).
     """
     policies = dict(policies or {})
     succ: list[list[int]] = [[] for _ in ops]
@@ -146,7 +152,7 @@ def find_hazards(
                 succ[p].append(i)
         for acq in op.acquires:
             producer[acq] = i
-            buf, chunk = acq[0], acq[1]
+            buf, chunk = acq[0], acq[1] if per_chunk else ALL_CHUNKS
             if policies.get(buf, "ring") != "ring":
                 continue
             ring = rings.get((buf, chunk))
@@ -161,7 +167,7 @@ def find_hazards(
                     succ[rel].append(i)
                     backward.append((rel, i, buf, chunk, slot))
         for acq in op.releases:
-            buf, chunk = acq[0], acq[1]
+            buf, chunk = acq[0], acq[1] if per_chunk else ALL_CHUNKS
             if policies.get(buf, "ring") == "ring":
                 ring = rings.get((buf, chunk))
                 if ring is not None:

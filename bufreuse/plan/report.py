@@ -18,7 +18,7 @@ from typing import Any
 
 from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch
 from bufreuse.errors import InputError
-from bufreuse.plan.depth import closed_form, pending_at, ring_depths
+from bufreuse.plan.depth import ALL_CHUNKS, closed_form, pending_at, ring_depths
 from bufreuse.plan.hazards import Cycle, find_hazards
 from bufreuse.plan.ops import expand
 from bufreuse.plan.rules import ReleasePoint, ReleaseRule, dispatch_path, release_rules
@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 ASSUMPTIONS = (
-    "one pool (one ring per buffer) per model chunk, shared by the chunk's MoE layers, as install() registers it",
+    "one ring per buffer on the rank, shared by the MoE layers of every model chunk, as install() and "
+    "bufreuse-megatron register it (one pool per rank)",
     "the ring's slots are the static bound (check-config's rows x hidden x element size)",
     "control pending-free = releases in the last `lag_steps` schedule steps before the max-active point, the "
     "step with the most forward passes in flight (the GPU trails the host by that many steps; the control's "
@@ -55,13 +56,14 @@ class BufferPlan:
     configured: int | str
     """Configured slots, or ``"auto"``."""
     minimum: int | None
-    """Minimum safe slots over the rank's chunk rings (None when refused)."""
+    """Minimum safe slots of the rank's ring, every chunk's layers together (None when refused)."""
     per_chunk: dict[int, int] = field(default_factory=dict)
+    """Each model chunk's own peak (what a pool per chunk would need in each of its rings)."""
     formula: str | None = None
     """Closed form of the minimum (``"1"``: constant; names L, m, p - r otherwise), None if simulated only."""
     slot_bytes: int = 0
     rings: int = 1
-    """Rings of this buffer on the rank: one per model chunk, each with the configured slots."""
+    """Rings of this buffer on the rank: one, shared by every model chunk."""
     pending_count: int = 0
     """Bound-sized buffers the control keeps pending-free at the max-active point (model: ASSUMPTIONS)."""
     pending_step: int = 0
@@ -81,7 +83,7 @@ class BufferPlan:
 
     @property
     def persistent_bytes(self) -> int:
-        """Bytes the rank's rings of this buffer hold at the minimum (minimum x slot bytes x model chunks)."""
+        """Bytes the rank's ring of this buffer holds at the minimum (minimum x slot bytes)."""
         return (self.minimum or 0) * self.slot_bytes * self.rings
 
     @property
@@ -234,16 +236,16 @@ def plan_schedule(
     live = {b: rules[b] for b in configured if rules[b].point is not ReleasePoint.REFUSED}
     ops = expand(build_steps(spec), layers_per_chunk, live)
     depths = ring_depths(ops)
+    chunk_depths = ring_depths(ops, per_chunk=True)
     plans = []
     for buf, conf in configured.items():
         rule = rules[buf]
         plan = BufferPlan(buffer=buf, ring=BUFFERS[buf], rule=rule, configured=conf, minimum=None)
         plan.slot_bytes = int(slot_bytes.get(buf, 0))
-        plan.rings = spec.vpp
         if rule.point is not ReleasePoint.REFUSED:
-            chunk_depths = {c: d for (b, c), d in depths.items() if b == buf}
-            plan.per_chunk = {c: d.peak for c, d in sorted(chunk_depths.items())}
-            plan.minimum = max(plan.per_chunk.values(), default=0)
+            plan.per_chunk = {c: d.peak for (b, c), d in sorted(chunk_depths.items()) if b == buf}
+            shared = depths.get((buf, ALL_CHUNKS))
+            plan.minimum = shared.peak if shared is not None else 0
             plan.pending_count, plan.pending_step = pending_at(ops, buf, lag_steps)
             cf = closed_form(spec, rule.point, max(layers_per_chunk), recompute=rule.recompute)
             if cf is not None and len(set(layers_per_chunk)) == 1 and cf[0] == plan.minimum:

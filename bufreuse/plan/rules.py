@@ -8,7 +8,15 @@ autograd-saved references the hooked stages made), so a rule it contradicts neve
 means the planner's depth is wrong, and ``tests/test_schedule_harness.py`` fails. Each row names the
 config fields it depends on, read from megatron-core 0.19.2 (``megatron/core/transformer/moe/``):
 
+Both buffers, **refused**: per-layer CUDA graphs (``cuda_graph_impl`` ``local``/``transformer_engine``; a
+graph captured outside the pool's capture phase bakes in a slot address the eager ring hands out again);
+``moe_paged_stash`` and TE CPU offloading (``cpu_offloading``), which push their own saved-tensor hooks:
+hooks do not nest, so inside ``track_saved`` one of the two is blind to the other.
+
 Dispatch output (written by the dispatch on the communication stream, read by the experts):
+
+- HybridEP with ``moe_apply_probs_on_input``: **refused** -- the multiply saves the slot, and the HybridEP
+  adapter releases at the experts' forward.
 
 - ``fine_grained_activation_offloading`` with ``'fused_group_mlp'`` or ``'expert_fc1'`` in
   ``offload_modules``: **refused** -- the first force-releases the expert input storage (the persistent
@@ -135,6 +143,14 @@ def delayed_wgrad(cfg: Any) -> bool:
     )
 
 
+def _per_layer_graphs(cfg: Any) -> bool:
+    """Whether megatron graphs layers one by one (``cuda_graph_impl`` local/TE, or 0.16's boolean fields)."""
+    impl = _get(cfg, "cuda_graph_impl", None)
+    return impl in ("local", "transformer_engine") or bool(
+        _get(cfg, "enable_cuda_graph", False) or _get(cfg, "external_cuda_graph", False)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """A setting under which the integration refuses a buffer's ring (a row of ``check-config`` too).
@@ -145,6 +161,7 @@ class Refusal:
 
     key: str
     buffer: str
+    """``dispatch``, ``expert`` or ``both``."""
     applies: Callable[[Any], bool]
     """True when the config has the refused setting."""
     text: str
@@ -175,6 +192,54 @@ REFUSALS: tuple[Refusal, ...] = (
         why="TEGroupedMLP copies the FC1 input (the dispatch slot) to host on a side stream under its own "
         "saved-tensor hooks and sets save_original_input: a read the ring's saved-reference tracking cannot see",
         fields=("fine_grained_activation_offloading", "offload_modules"),
+        point_refused=True,
+    ),
+    Refusal(
+        key="no_hybridep_probs_on_input",
+        buffer="dispatch",
+        applies=lambda cfg: dispatch_path(cfg) == "hybridep" and bool(_get(cfg, "moe_apply_probs_on_input", False)),
+        text="probabilities applied after the experts on HybridEP (no moe_apply_probs_on_input)",
+        fix="set moe_apply_probs_on_input=False, or keep the dispatch output off the ring on HybridEP",
+        why="the experts' permuted_probs * hidden multiply saves the dispatch slot for the probs gradient, and the "
+        "HybridEP adapter releases the slot after the experts' forward: the next acquisition would overwrite what "
+        "backward reads (silently wrong gradients)",
+        fields=("moe_apply_probs_on_input", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend"),
+        point_refused=True,
+    ),
+    Refusal(
+        key="no_per_layer_cuda_graphs",
+        buffer="both",
+        applies=_per_layer_graphs,
+        text="no per-layer CUDA graphs (cuda_graph_impl 'none' or 'full_iteration')",
+        fix="set cuda_graph_impl='none' or 'full_iteration' (not 'local' / 'transformer_engine')",
+        why="a per-layer graph captures the dispatch or the experts outside the pool's capture phase: it bakes "
+        "in the address of a slot the eager ring hands out again, and replays write it while another "
+        "microbatch holds it",
+        fields=("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph"),
+        point_refused=True,
+    ),
+    Refusal(
+        key="no_paged_stash",
+        buffer="both",
+        applies=lambda cfg: bool(_get(cfg, "moe_paged_stash", False)),
+        text="no MoE paged stash (moe_paged_stash=False)",
+        fix="set moe_paged_stash=False",
+        why="the paged stash pushes its own saved_tensors_hooks around the experts; saved-tensor hooks do not "
+        "nest, so inside the ring's track_saved region one of the two is blind to the other (a stashed slot "
+        "alias the ring never counts, or activations the stash never sees)",
+        fields=("moe_paged_stash",),
+        point_refused=True,
+    ),
+    Refusal(
+        key="no_te_cpu_offload",
+        buffer="both",
+        applies=lambda cfg: bool(_get(cfg, "cpu_offloading", False)),
+        text="no Transformer Engine CPU offloading (cpu_offloading=False)",
+        fix="set cpu_offloading=False",
+        why="TE's CPU offload context pushes its own saved_tensors_hooks; inside the ring's track_saved region "
+        "one of the two is blind to the other (an offloaded copy of a slot read after the ring reused it, or "
+        "activations left on the GPU)",
+        fields=("cpu_offloading", "cpu_offloading_activations", "cpu_offloading_weights"),
         point_refused=True,
     ),
     Refusal(
@@ -243,10 +308,17 @@ _PARALLEL_FIELDS = (
 )
 
 
-def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, ...]]:
+def _refused(cfg: Any, buffer: str) -> tuple[ReleasePoint, str, tuple[str, ...]] | None:
     for r in REFUSALS:
-        if r.buffer == "dispatch" and r.point_refused and r.applies(cfg):
+        if r.buffer in (buffer, "both") and r.point_refused and r.applies(cfg):
             return ReleasePoint.REFUSED, f"{r.key} ({r.fix}): {r.why}", r.fields
+    return None
+
+
+def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, ...]]:
+    refused = _refused(cfg, "dispatch")
+    if refused is not None:
+        return refused
     if path == "alltoall" and (_parallel(cfg)[2] > 1 or _local_sort_copies(cfg)):
         return (
             ReleasePoint.FORWARD,
@@ -279,6 +351,9 @@ def _dispatch(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str,
 
 
 def _expert(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, ...]]:
+    refused = _refused(cfg, "expert")
+    if refused is not None:
+        return refused
     if path == "hybridep":
         return ReleasePoint.FORWARD, "HybridEP combine's forward is the final reader of the FC2 output", ()
     if path == "alltoall" and _get(cfg, "deterministic_mode", False):
@@ -329,7 +404,7 @@ def release_rule(cfg: Any, buffer: str, *, path: str | None = None) -> ReleaseRu
     if recompute:
         reason += "; MoE recompute: the checkpointed forward saves nothing, the recomputed one acquires again"
         fields = (*fields, "recompute_granularity", "recompute_modules")
-    refusals = tuple(r.key for r in REFUSALS if r.buffer == buffer and r.applies(cfg))
+    refusals = tuple(r.key for r in REFUSALS if r.buffer in (buffer, "both") and r.applies(cfg))
     return ReleaseRule(
         buffer=buffer,
         point=point,

@@ -62,7 +62,7 @@ class DeviceOps:
     calls return the *same* object (the ring compares streams with ``is`` to skip same-stream waits).
     """
 
-    __slots__ = ("_by_ptr", "_index", "_raw", "cuda", "device", "record", "wait")
+    __slots__ = ("_by_ptr", "_index", "_raw", "capturing", "cuda", "device", "record", "wait")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -72,11 +72,15 @@ class DeviceOps:
         self._raw: Callable[[int], int] | None = None
         self.record: Callable[[Any, Any], None] = _noop2
         self.wait: Callable[[Any, Any], None] = _noop2
+        self.capturing: Callable[[], bool] = _false
+        """Whether the current stream is capturing a CUDA graph: one C call, no Python frame (production
+        mode asks it once per eager acquisition)."""
         if self.cuda:
             base = torch._C._CudaEventBase
             self.record = base.record
             self.wait = base.wait
             self._raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self.capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
     def new_event(self) -> Any:
         """One reusable event (no timing, so recording is cheap); ``None`` on CPU."""
@@ -108,3 +112,7 @@ class DeviceOps:
 
 def _noop2(_a: Any, _b: Any) -> None:
     return None
+
+
+def _false() -> bool:
+    return False

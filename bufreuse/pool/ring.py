@@ -44,7 +44,7 @@ from bufreuse.pool.ring_capacity import RingCapacity
 from bufreuse.pool.ring_lifecycle import RingLifecycle
 from bufreuse.pool.tracking import Hold, SavedRefCounting
 
-__all__ = ["ON_EXHAUSTED", "SLOT_ALIGN_BYTES", "BufferRing", "Phase", "RingStats"]
+__all__ = ["ON_EXHAUSTED", "SLOT_ALIGN_BYTES", "BufferRing", "Phase", "RingStats", "poison_value"]
 
 SLOT_ALIGN_BYTES = 512
 """Each slot starts on this boundary inside the ring's allocation."""
@@ -53,6 +53,17 @@ ON_EXHAUSTED = ("raise", "allocate")
 """What ``acquire`` does when every slot is held (and the ring may not grow)."""
 
 _log = logging.getLogger("bufreuse.pool")
+
+
+def poison_value(dtype: torch.dtype) -> float | int | bool:
+    """What debug mode fills a freed slot with: NaN for floating/complex dtypes, else all bits set
+    (-1 for signed integers, the maximum for unsigned ones, True for bool): an index read from a
+    stale integer slot is out of range."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype is torch.bool:
+        return True
+    return -1 if dtype.is_signed else torch.iinfo(dtype).max
 
 
 class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
@@ -65,7 +76,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         dtype: element type.
         device: default: the current CUDA device, else CPU.
         debug: default ``BUFREUSE_DEBUG``: per-call stream/capture/device checks, generations of stale
-            aliases named in errors.
+            aliases named in errors, and every slot *poisoned* when it becomes free (filled with NaN, or
+            the all-ones integer pattern, on the releasing stream before the release event).
         watchdog: told about every GPU wait (set by :class:`BufferPool` in debug mode).
         on_exhausted: ``"raise"`` (``EarlyReuseError``) or ``"allocate"`` (serve the acquisition from
             the caching allocator, warn once, count ``fallback_allocations``).
@@ -154,6 +166,9 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         self._peak_held = 0
         self._deferred = 0
         self._fallbacks = 0
+        self._poison_value = poison_value(dtype)
+        self.poisoned = 0
+        """Slot fills done by debug-mode poisoning (0 in production mode: it does no extra work)."""
 
     def __repr__(self) -> str:
         return (
@@ -175,7 +190,9 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         Raises:
             StaticShapeError: beyond the bound or another dtype.
             EarlyReuseError: every slot held (and no growth or fallback allowed); names the depth needed.
-            CaptureStateError: after a capture until ``after_replay``; growth/fallback under capture.
+            CaptureStateError: after a capture until ``after_replay``; growth/fallback under capture; an
+                eager ring acquired under a capture it was not prepared for (a per-layer graph; checked in
+                production mode too, one C call per acquisition).
         """
         if self._phase is Phase.GRAPHED:
             raise CaptureStateError(
@@ -200,6 +217,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                 self._check_stream(stream)
             if self.debug:
                 self._check_capture_state()
+            elif self._phase is Phase.EAGER and self._ops.capturing():
+                self._check_capture_state()  # a per-layer graph capturing an eager ring: raises before any change
             event = slot.wait_on
             if event is not None and slot.wait_stream is not stream:
                 self._ops.wait(event, stream)
@@ -249,6 +268,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         if self._cuda:
             stream = self._consumer_stream(tensor, stream, slot)
             self._gpu_waits += self._record_release(slot, stream)
+        elif self.debug:
+            self._poison(slot, None)
         slot.live = None
         self._held -= 1
         self._releases += 1
@@ -288,6 +309,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                     return False
         if self._cuda:
             self._gpu_waits += self._record_release(slot, stream)
+        elif self.debug:
+            self._poison(slot, None)
         slot.live = None
         self._held -= 1
         self._releases += 1
@@ -398,11 +421,29 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                     waits += 1
                 self._spare_events.append(event)
             slot.marks.clear()
+        if self.debug:
+            self._poison(slot, stream)  # after every final reader, before the event the next producer waits on
         event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
         self._ops.record(event, stream)
         slot.wait_on = event
         slot.wait_stream = stream
         return waits
+
+    def _poison(self, slot: _Slot, stream: Any) -> None:
+        """Debug mode: fill the freed slot so a stale reader sees NaN (or all-ones integers), not old data.
+
+        Enqueued on the releasing ``stream`` (CPU: at once); under CUDA-graph capture the fill is captured
+        with the release and runs at every replay. The slot's version counter is left as it was, so
+        debug mode changes only what a stale reader sees, never which autograd checks fire.
+        """
+        base = slot.base
+        with torch.autograd._unsafe_preserve_version_counter(base):
+            if stream is None or self._ops.stream_is_current(stream):
+                base.fill_(self._poison_value)
+            else:
+                with torch.cuda.stream(stream):
+                    base.fill_(self._poison_value)
+        self.poisoned += 1
 
     def _consumer_stream(self, tensor: torch.Tensor, stream: Any, slot: _Slot) -> Any:
         if stream is None:

@@ -180,6 +180,8 @@ class SavedRefCounting:
         if slot.pending and not slot.saved_refs and not slot.holds:
             if self._cuda:
                 self._deferred_waits += self._record_release(slot, stream)
+            elif self.debug:
+                self._poison(slot, None)
             slot.pending = False
             slot.live = None  # last: acquire (no lock) sees the event before the free slot
             self._deferred_freed += 1  # the hot path's counters are never written from here

@@ -1,0 +1,161 @@
+"""The planner asked at install(): a fixed slot count below the schedule's minimum is refused up front.
+
+The issue's run (Megatron-LM pretrain_gpt.py on the H200: TE spec, 4 MoE layers, 16 experts top-4, EP 1,
+full-iteration graphs, capacity factor 1.0 with pad-to-capacity, 2 dispatch slots) started and died in its
+first forward with "needs at least 3 slots" (too low: raised to 3 it died one layer later). Here the same
+schedule through the planner (the args file) and through install() of a real megatron-core 0.19.2 model on
+CPU (local spec: TE is not installed here; the release rule is the same, bf16 GEMMs save the slot).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from megatron_cpu import single_process_model_parallel  # noqa: E402
+
+from bufreuse.config import BufReuseConfig, load_megatron_file  # noqa: E402
+from bufreuse.errors import ConfigError  # noqa: E402
+from bufreuse.integrations import planned as planned_mod  # noqa: E402
+from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.plan import plan_config  # noqa: E402
+from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
+
+HIDDEN, SEQ, MBS, EXPERTS, TOPK, LAYERS = 32, 8, 2, 16, 4, 4
+TOKENS = SEQ * MBS
+
+ISSUE_ARGS = """\
+--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1
+--global-batch-size 8 --data-parallel-size 1 --num-experts 16 --moe-router-topk 4 --expert-model-parallel-size 1
+--moe-token-dispatcher-type alltoall --transformer-impl transformer_engine --bf16
+--cuda-graph-impl full_iteration --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity
+--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
+"""
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    with single_process_model_parallel():
+        old = D.cuda_dtoh_stream
+        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+        yield
+        D.cuda_dtoh_stream = old
+
+
+def _model():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+        cuda_graph_impl="full_iteration",
+    )
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp
+    return torch.nn.ModuleList([spec(config=cfg) for _ in range(LAYERS)])
+
+
+def _knobs(slots: int) -> BufReuseConfig:
+    return BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=slots
+    )
+
+
+def _forward(model, x, seed: int = 1):
+    """One microbatch through every MoE layer (fixed routing: the router needs CUDA in megatron)."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in model:
+        scores = torch.softmax(torch.randn(SEQ * MBS, EXPERTS, generator=g), -1).topk(TOPK)
+        routing = torch.zeros(SEQ * MBS, EXPERTS, dtype=torch.bool).scatter(1, scores.indices, True)
+        probs = torch.zeros(routing.shape).scatter(1, scores.indices, scores.values)
+        h, p = layer.preprocess(x, probs, routing)
+        d, p = layer.dispatch(h, p)
+        out, _ = layer.routed_experts_compute(d, p)
+        x = layer.postprocess(layer.combine(out), None)
+    return x
+
+
+def _x(seed: int = 0):
+    return torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+def test_planner_says_minimum_4_for_the_issue_run(tmp_path):
+    path = tmp_path / "issue.args"
+    path.write_text(ISSUE_ARGS)
+    report = plan_config(load_megatron_file(path))
+    (dispatch,) = report.buffers
+    assert dispatch.rule.point.value == "backward" and dispatch.minimum == LAYERS  # one slot per MoE layer
+    assert not dispatch.ok and dispatch.cycle is not None
+    assert dispatch.cycle.waiter.name == "dispatch.fwd" and dispatch.cycle.waiter.layer == 2
+
+
+def test_install_refuses_two_slots_naming_minimum_knob_and_cycle(parallel):
+    model = _model()
+    pool = BufferPool("cpu")
+    with pytest.raises(ConfigError) as info:
+        install(model, pool, _knobs(2), tokens=TOKENS, num_microbatches=8)
+    text = str(info.value)
+    assert "moe_hybridep_num_dispatch_output_buffers=2 is below the planner's minimum 4" in text
+    assert "set moe_hybridep_num_dispatch_output_buffers to at least 4" in text
+    assert "dispatch.fwd(mb 0, chunk 0, layer 2)" in text  # the cycle `bufreuse plan` prints
+    assert "8 microbatch(es)" in text and "MoE layers per chunk [4]" in text
+    assert pool.names() == [] and not any("_bufreuse_hooked" in vars(m) for m in model.modules())
+
+
+def test_install_refuses_three_slots_too(parallel):
+    with pytest.raises(ConfigError, match="minimum 4"):
+        install(_model(), BufferPool("cpu"), _knobs(3), tokens=TOKENS, num_microbatches=8)
+
+
+def test_planned_minimum_runs_and_without_the_check_two_slots_die_at_layer_2(parallel, monkeypatch):
+    model = _model()
+    with install(model, BufferPool("cpu"), _knobs(4), tokens=TOKENS, num_microbatches=8):  # positive control
+        _forward(model, _x()).sum().backward()
+    # What the issue's run did: no plan at install, the ring dies in the first forward, advice too low.
+    monkeypatch.setattr("bufreuse.integrations.megatron.check_depths", lambda *a, **k: {})
+    pool = BufferPool("cpu")
+    with install(model, pool, _knobs(2), tokens=TOKENS, num_microbatches=8):
+        with pytest.raises(EarlyReuseError, match="at least 3") as info:
+            _forward(model, _x())
+        assert "planner" not in str(info.value)
+        pool.reset()
+
+
+def test_early_reuse_error_quotes_the_planned_minimum(parallel):
+    model = _model()
+    pool = BufferPool("cpu")
+    with install(model, pool, _knobs(4), tokens=TOKENS, num_microbatches=8):
+        assert planned_mod.planned_minimum(pool, "dispatch_output")[0] == LAYERS
+        first = _forward(model, _x(0))  # a second microbatch in flight: deeper than the planned schedule
+        with pytest.raises(EarlyReuseError) as info:
+            _forward(model, _x(1))
+        assert "the planner's minimum for this schedule is 4" in str(info.value)
+        assert "at least 5" in str(info.value)  # held + 1 here, above the plan: the larger one is named
+        del first
+        pool.reset()
+    assert planned_mod.planned_minimum(pool, "dispatch_output") is None  # forgotten at uninstall
+
+
+def test_auto_and_allocator_policies_are_not_refused(parallel):
+    model = _model()
+    knobs = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True,
+        moe_hybridep_num_dispatch_output_buffers=2,
+        moe_bufreuse_dispatch_policy="record-stream",
+    )
+    with install(model, BufferPool("cpu"), knobs, tokens=TOKENS, num_microbatches=8) as inst:
+        assert inst.layers == LAYERS
