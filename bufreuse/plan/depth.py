@@ -13,8 +13,9 @@ forwards of :func:`bufreuse.plan.schedule.warmup_forwards`), each checked agains
   and releases before the next layer acquires. With recompute still 1 (the recomputed forward releases
   inside the backward of the same layer).
 - **backward release, none**: **L**. F(i) holds its L acquisitions until B(i).
-- **backward release, 1F1B**: **L x (min(p - r - 1, m) + 1)**, i.e. **L x (p - r)** for ``m >= p - r``.
-  The steady phase runs F(w + i) before B(i): ``w + 1`` forwards are in flight, each holding L slots.
+- **backward release, 1F1B**: **L x min(m, p - r)**, i.e. **L x (p - r)** for ``m >= p - r``.
+  The steady phase runs F(w + i) before B(i): ``w + 1`` forwards are in flight, each holding L slots;
+  with ``m < p - r`` every microbatch is a warm-up forward and all ``m`` are in flight.
 - **backward release, interleaved** (``g`` = microbatch_group_size_per_vp_stage, default p; ``w`` =
   ``min(2 (p - r - 1) + (v - 1) g, m v)``): **L x min(m, 2g, w + 1)**, the peak of the chunk-0 ring.
   Chunk c's forwards occupy table positions ``[c g, (c + 1) g)`` of every group of ``v g`` virtual
