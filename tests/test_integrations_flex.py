@@ -161,6 +161,10 @@ def test_install_hands_ring_slots_to_deepep_and_te_and_matches_control(hybridep,
     ref_out, ref_grad = _interleaved(layer, xs)
     ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
+    again_out, again_grad = _interleaved(layer, xs)  # the control's own determinism, else equality means nothing
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, again_out + again_grad, strict=True))
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in layer.named_parameters() if p.grad is not None)
+    layer.zero_grad(set_to_none=True)
     buffer = hybridep._hybrid_ep_buffer
     assert isinstance(buffer, dep.HybridEPBuffer) and buffer.output_tokens == []
     ops = layer.experts._fused_ops[0]
