@@ -237,6 +237,13 @@ def test_small_and_large_pools_split_at_one_mib() -> None:
     assert m.stats.reserved == 22 * MiB
     m.malloc(1 * MiB, 0)  # small again: the cached small MiB serves it
     assert m.stats.reserved == 22 * MiB
+    # A 2 MiB request is large: its 20 MiB segment's 18 MiB rest stays in the large pool, so a later
+    # 1 MiB (small) request cannot use it and opens a 2 MiB small segment: 22 MiB reserved, not 20.
+    m2 = AllocatorModel()
+    m2.malloc(2 * MiB, 0)
+    assert m2.stats.reserved == 20 * MiB
+    m2.malloc(1 * MiB, 0)
+    assert m2.stats.reserved == 22 * MiB
 
 
 def test_large_pool_splits_only_when_more_than_one_mib_remains() -> None:
