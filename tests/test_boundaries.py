@@ -15,7 +15,7 @@ import torch
 
 from bufreuse.analysis.runs.megatron_log import parse_log_text
 from bufreuse.analysis.runs.record import RunRecord
-from bufreuse.analysis.runs.stats import mean_diff_interval
+from bufreuse.analysis.runs.stats import bootstrap_diff, mean_diff_interval
 from bufreuse.analysis.runs.verdicts import Bands, MetricDelta, explain_allocated, judge
 from bufreuse.analysis.snapshot.allocator_model import AllocatorModel, allocation_size
 from bufreuse.plan.depth import closed_form, ring_depths
@@ -71,7 +71,7 @@ def test_throughput_band_is_one_percent_of_the_baseline() -> None:
 # -- the regression gate vs ring storage -----------------------------------------------------------------
 
 
-def _gate(delta_mib: float, *, slots: int = 4, slot_mib: int = 256) -> MetricDelta:
+def _gate(delta_mib: float, *, slots: int = 4, slot_mib: int = 256, explained: list | None = None) -> MetricDelta:
     base = RunRecord(label="base", source=Path("base"), kind="sweep", max_allocated_bytes=2_000 * MiB)
     run = RunRecord(
         label="ring",
@@ -90,7 +90,9 @@ def _gate(delta_mib: float, *, slots: int = 4, slot_mib: int = 256) -> MetricDel
         value=2_000 + delta_mib,
     )
     judge(m, Bands(), differ=False)
-    explain_allocated(base, run, m, Bands())
+    text, ok = explain_allocated(base, run, m, Bands())
+    if explained is not None:
+        explained.append((text, ok))
     return m
 
 
@@ -101,6 +103,18 @@ def test_gate_excuses_growth_up_to_the_ring_storage_plus_the_band_and_no_more() 
     assert _gate(1_024 + 65).fails_gate  # 1 MiB beyond it
     assert _gate(2 * 1_024).fails_gate  # twice the storage is not what the rings cost
     assert _gate(500).explained_by is not None  # less than the storage: excused (rings may replace transients)
+
+
+def test_rings_account_for_a_delta_within_the_band_of_their_storage() -> None:
+    # |delta - 1,024 MiB| <= 64 MiB: "the rings account for it"; 65 MiB off: that much "is not ring storage".
+    for delta, expected in ((1_024 + 48, True), (1_024 - 64, True), (1_024 + 65, False), (1_024 - 65, False)):
+        seen: list = []
+        _gate(delta, explained=seen)
+        ((text, ok),) = seen
+        assert ok is expected, (delta, text)
+        assert ("the rings account for it" in text) is expected
+        if not expected:
+            assert f"{delta - 1_024:+.0f} MiB is not ring storage" in text
 
 
 def test_gate_excuses_nothing_without_rings() -> None:
@@ -135,6 +149,22 @@ def test_welch_interval_at_three_samples_is_within_one_percent_of_the_t_table() 
     lo, hi = mean_diff_interval([5.0] * 3, [1.0, 2.0, 3.0])
     assert (hi - lo) / 2 == pytest.approx(T975[2] / math.sqrt(3), rel=0.01)
     assert mean_diff_interval([5.0] * 2, [1.0, 2.0, 3.0]) is None  # fewer than 3 a side
+
+
+def test_bootstrap_interval_is_the_central_95_percent_of_resampled_medians() -> None:
+    # other = 1..9 against a constant 0: the difference is the median of a 9-draw resample of 1..9.
+    # P(median <= k) = P(Bin(9, k/9) >= 5), computed here exactly; the 2.5% / 97.5% quantiles of that
+    # distribution are 2 and 8 (a 90% interval would be 3 and 7), each 4.5 sigma of 20,000 resamples away.
+    def cdf(k: int) -> float:
+        p = k / 9
+        return sum(math.comb(9, j) * p**j * (1 - p) ** (9 - j) for j in range(5, 10))
+
+    def quantile(q: float) -> int:
+        return next(k for k in range(1, 10) if cdf(k) >= q)
+
+    assert (quantile(0.025), quantile(0.975)) == (2, 8) and (quantile(0.05), quantile(0.95)) == (3, 7)
+    lo, hi = bootstrap_diff([0.0] * 9, [float(v) for v in range(1, 10)], stat="median", n_boot=20_000)
+    assert (lo, hi) == (2.0, 8.0)
 
 
 # -- the planner's closed forms against a brute-force schedule written here ----------------------------
