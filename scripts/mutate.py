@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if not mutations:
         print("error: no mutation selected", file=sys.stderr)
         return 2
+    # On SIGTERM: unwind, so the running pytest is killed and the temporary copy removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: list[Result] = []
     baseline: dict[tuple[str, ...], str] = {}
     with tempfile.TemporaryDirectory(prefix="bufreuse-mutate-") as tmp:
