@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from bufreuse.analysis.snapshot import report_file
 from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.analysis.snapshot.whatif import what_if
 
@@ -137,6 +138,10 @@ def test_control_pending_free_at_max_active_is_4864_mib_and_ring4_has_none() -> 
     # The figure the sweep recorded on the GPU (the report code, at run time) agrees with the walk.
     assert _metrics("slots0")["pending_free_at_max_active_bytes"] == pending
     assert _metrics("slots4")["pending_free_at_max_active_bytes"] == 0
+    # ... and so does today's snapshot-report on the same files (the walk is the reference for it).
+    for config, walked_active, walked_pending in (("slots0", active, pending), ("slots4", ring_active, 0)):
+        rep = report_file(SWEEP / config / "snapshot.pickle.gz")
+        assert (rep["max_active_bytes"], rep["pending_free_at_max_active_bytes"]) == (walked_active, walked_pending)
 
 
 @pytest.mark.parametrize("slots", [2, 4, 10])
