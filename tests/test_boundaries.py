@@ -68,6 +68,36 @@ def test_throughput_band_is_one_percent_of_the_baseline() -> None:
     assert step(200.0, 197.99) == "improvement"
 
 
+def _sampled(lo: float, hi: float, n: int = 5, *, metric: str = "step_ms_median", differ: bool = False) -> MetricDelta:
+    better = "higher" if metric.startswith("tflops") else "lower"
+    m = MetricDelta(metric=metric, title=metric, unit="ms", better=better, baseline=100.0, value=100.0 + (lo + hi) / 2)
+    m.n_baseline = m.n_value = n
+    m.ci_low, m.ci_high = lo, hi
+    judge(m, Bands(), differ=differ)
+    return m
+
+
+def test_interval_verdicts_at_five_samples_and_the_band_edges() -> None:
+    # Band: 1% of 100 = 1.0 (ms). The interval decides, at exactly 5 samples a side (the documented minimum).
+    assert _sampled(-1.0, 1.0).verdict == "parity"  # wholly inside, edges included
+    assert _sampled(1.01, 3.0).verdict == "regression"  # wholly beyond on the bad side (step time: higher)
+    assert _sampled(-3.0, -1.01).verdict == "improvement"
+    assert _sampled(0.5, 1.5).verdict == "inconclusive"  # straddles an edge
+    assert _sampled(-1.5, 1.5).verdict == "inconclusive"  # spans the band
+    assert _sampled(1.01, 3.0, n=4).verdict == "inconclusive"  # one sample short of a verdict
+
+
+def test_different_node_sets_never_claim_a_speedup_but_keep_regressions() -> None:
+    assert _sampled(-3.0, -1.01, differ=True).verdict == "inconclusive"
+    assert "not claimed as a speedup" in _sampled(-3.0, -1.01, differ=True).note
+    assert _sampled(1.01, 3.0, differ=True).verdict == "regression"
+    tf = _sampled(1.01, 3.0, metric="tflops_median", differ=True)  # higher throughput: a speedup
+    assert tf.verdict == "inconclusive"
+    mem = MetricDelta(metric="max_reserved", title="r", unit="MiB", better="lower", baseline=10_000, value=9_000)
+    judge(mem, Bands(), differ=True)
+    assert mem.verdict == "improvement"  # memory is not throughput: a saving stands across node sets
+
+
 # -- the regression gate vs ring storage -----------------------------------------------------------------
 
 
