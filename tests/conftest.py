@@ -47,3 +47,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+# -- test outcomes for scripts/ci/skipped-everywhere.py -------------------------------------------------
+# With BUFREUSE_TEST_OUTCOMES=FILE, a run writes one JSON object: every test's outcome (passed / failed /
+# skipped, with the skip reason) and its markers, plus modules skipped while collecting. .ci/run sets it
+# for the CPU run; the GPU run can set it too (BUFREUSE_TEST_OUTCOMES=$OUT/gpu.json bash scripts/gpu-tests.sh).
+
+_OUTCOMES: dict[str, dict] = {}
+_MARKERS: dict[str, list[str]] = {}
+_BUILTIN_MARKS = {"skip", "skipif", "xfail", "parametrize", "usefixtures", "filterwarnings"}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:
+        _MARKERS[item.nodeid] = sorted({m.name for m in item.iter_markers()} - _BUILTIN_MARKS)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped and os.environ.get("BUFREUSE_TEST_OUTCOMES"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _OUTCOMES[report.nodeid] = {"outcome": "skipped", "reason": reason, "markers": [], "collection": True}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not os.environ.get("BUFREUSE_TEST_OUTCOMES"):
+        return
+    if report.when == "call" or report.outcome != "passed":  # setup skips/errors, call results
+        entry = _OUTCOMES.get(report.nodeid)
+        if entry is not None and entry["outcome"] != "passed":
+            return  # keep the first non-pass (a teardown error after a skip stays a skip)
+        reason = report.longrepr[-1] if report.skipped and isinstance(report.longrepr, tuple) else None
+        _OUTCOMES[report.nodeid] = {
+            "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
+            "reason": reason,
+            "markers": _MARKERS.get(report.nodeid, []),
+        }
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("BUFREUSE_TEST_OUTCOMES")
+    if not path or hasattr(session.config, "workerinput"):
+        return
+    import json
+    import sys
+
+    doc = {
+        "argv": sys.argv[1:],
+        "cuda": _cuda_available(),
+        "markexpr": session.config.getoption("markexpr", ""),
+        "tests": _OUTCOMES,
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)

@@ -179,3 +179,71 @@ def write_summary(section: str, data: object) -> None:
     summary = json.loads(path.read_text()) if path.exists() else {}
     summary[section] = data
     path.write_text(json.dumps(summary, indent=1, default=str))
+
+
+def control_is_deterministic(row: str, mode: str, first: tuple, second: tuple) -> None:
+    """Assert the control's two runs are bit-equal: bit-equality against the control means nothing otherwise."""
+    problems = compare(f"{row} (control vs control)", mode, first, second)
+    assert not problems, "the control is not deterministic run to run:\n" + "\n".join(problems)
+
+
+# -- allocation probes by the control's own allocation sites (GPU; from torch.cuda.memory._snapshot()) ------
+
+Frame = tuple[str, str, int]
+MOE_LAYER = "megatron/core/transformer/moe/moe_layer.py"
+EXPERTS = "megatron/core/transformer/moe/experts.py"
+
+
+def alloc_stacks(snapshot: dict) -> list[list[Frame]]:
+    """Python frames ``(filename, function, line)`` of every ``alloc`` event, innermost first."""
+    return [
+        [
+            (f["filename"], f["name"], int(f.get("line", 0)))
+            for f in e.get("frames", [])
+            if f["filename"].endswith(".py")
+        ]
+        for trace in snapshot["device_traces"]
+        for e in trace
+        if e["action"] == "alloc"
+    ]
+
+
+def innermost_megatron(stack: list[Frame]) -> Frame | None:
+    """The innermost megatron-core frame: where megatron (not torch, not bufreuse) asked for the memory."""
+    return next((fr for fr in stack if "megatron/core/" in fr[0]), None)
+
+
+def _through(stack: list[Frame], file: str, function: str) -> bool:
+    return any(f.endswith(file) and n == function for f, n, _ in stack)
+
+
+def expert_output_allocs(stacks: list[list[Frame]]) -> int:
+    """Allocations made directly by whatever runs as ``MoELayer.experts`` (SequentialMLP).
+
+    In the control that is ``SequentialMLP.forward``'s ``torch.cat`` of the FC2 outputs (innermost megatron
+    frame ``experts.py:forward``). A replacement ``experts.forward`` that allocated its output per call
+    would show with ``moe_layer.py:routed_experts_compute`` as its innermost megatron frame (its caller),
+    whatever bufreuse's own functions are called; the expert MLPs' own allocations (``mlp.py``) are not
+    counted in either arm.
+    """
+    n = 0
+    for st in stacks:
+        inner = innermost_megatron(st)
+        if inner is None:
+            continue
+        if (inner[0].endswith(EXPERTS) and inner[1] == "forward") or (
+            inner[0].endswith(MOE_LAYER) and inner[1] == "routed_experts_compute"
+        ):
+            n += 1
+    return n
+
+
+def dispatch_stage_allocs(stacks: list[list[Frame]]) -> int:
+    """Allocations under megatron's ``MoELayer.dispatch`` (which calls ``token_dispatcher.token_dispatch``):
+    the all-to-all outputs, or anything a hooked ``token_dispatch`` allocates per call."""
+    return sum(1 for st in stacks if _through(st, MOE_LAYER, "dispatch"))
+
+
+def layer_allocs(stacks: list[list[Frame]]) -> int:
+    """Allocations under the MoE layer at all (the recording saw the run)."""
+    return sum(1 for st in stacks if any(f.endswith(MOE_LAYER) for f, _, _ in st))

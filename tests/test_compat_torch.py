@@ -1,8 +1,9 @@
 """The private torch APIs the pool's hot path uses (``bufreuse/pool/_device.py``) exist and behave.
 
 CPU-checkable parts: the attributes exist and are callable with the arity ``DeviceOps`` calls them
-with; the CUDA behaviour (record/wait ordering, raw stream pointer equality) runs in
-``tests/test_pool_gpu.py`` and the GPU test below.
+with; the parts that need a CUDA build are ``gpu``-marked (run by ``scripts/gpu-tests.sh``), and the CUDA
+behaviour (record/wait ordering, raw stream pointer equality) runs in ``tests/test_pool_gpu.py`` and the
+last test below.
 """
 
 from __future__ import annotations
@@ -24,18 +25,18 @@ def test_cuda_event_base_exists_and_is_the_event_base() -> None:
     assert issubclass(torch.cuda.Event, base), f"{_version()}: torch.cuda.Event no longer derives _CudaEventBase"
 
 
+@pytest.mark.gpu
 def test_cuda_event_base_has_record_and_wait_on_cuda_builds() -> None:
-    if torch.version.cuda is None:
-        pytest.skip(f"{_version()} is a CPU build: _CudaEventBase is a placeholder (DeviceOps is a no-op on CPU)")
+    assert torch.version.cuda is not None, f"{_version()} is a CPU build on a machine with a GPU"
     base = torch._C._CudaEventBase
     for name in ("record", "wait"):
         assert callable(getattr(base, name, None)), f"{_version()}: torch._C._CudaEventBase.{name} missing"
     assert issubclass(torch.cuda.Event, base), f"{_version()}: torch.cuda.Event no longer derives _CudaEventBase"
 
 
+@pytest.mark.gpu
 def test_current_raw_stream_lookup_exists_on_cuda_builds() -> None:
-    if torch.version.cuda is None:
-        pytest.skip(f"{_version()} is a CPU build: no raw stream lookup (DeviceOps is a no-op on CPU)")
+    assert torch.version.cuda is not None, f"{_version()} is a CPU build on a machine with a GPU"
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     assert callable(raw), f"{_version()}: torch._C._cuda_getCurrentRawStream missing (DeviceOps falls back, slower)"
 

@@ -70,7 +70,7 @@ def test_detect_features_by_signature_and_key() -> None:
 def test_hybridep_adapter_hands_the_slot_to_deepep() -> None:
     hidden, routing, probs = _routing()
     pool = _pool("dispatch_output", BOUND, HIDDEN)
-    (out, out_probs, _, counts, _), slot = dispatch_into_pool(
+    (out, out_probs, _, counts, handle), slot = dispatch_into_pool(
         pool,
         dep.HybridEPBuffer(None, 0, 0, 0),
         hidden=hidden,
@@ -82,7 +82,10 @@ def test_hybridep_adapter_hands_the_slot_to_deepep() -> None:
     ref, ref_probs, _, ref_counts, _ = dep.HybridEPBufferUpstream(None, 0, 0, 0).dispatch_with_permute(
         hidden=hidden, num_permuted_tokens=BOUND, routing_map=routing, probs=probs
     )
-    assert torch.equal(out, ref) and torch.equal(out_probs, ref_probs) and torch.equal(counts, ref_counts)
+    # Only the dispatched rows are written (padding rows keep the slot's old contents, like the kernel).
+    rows = handle[0][handle[0] >= 0]
+    assert rows.numel() == int(routing.sum())
+    assert torch.equal(out[rows], ref[rows]) and torch.equal(out_probs, ref_probs) and torch.equal(counts, ref_counts)
     pool.release("dispatch_output", slot)
 
 

@@ -162,6 +162,10 @@ def test_install_hands_ring_slots_to_deepep_and_te_and_matches_control(hybridep,
     ref_out, ref_grad = _interleaved(layer, xs)
     ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
+    again_out, again_grad = _interleaved(layer, xs)  # the control's own determinism, else equality means nothing
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, again_out + again_grad, strict=True))
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in layer.named_parameters() if p.grad is not None)
+    layer.zero_grad(set_to_none=True)
     buffer = hybridep._hybrid_ep_buffer
     assert isinstance(buffer, dep.HybridEPBuffer) and buffer.output_tokens == []
     ops = layer.experts._fused_ops[0]
@@ -349,3 +353,49 @@ def test_install_refuses_the_hybridep_ring_by_name(hybridep, monkeypatch, field,
         install(layer, BufferPool("cpu"), _knobs(), tokens=TOKENS)
     assert next(r.fix for r in REFUSALS if r.key == key) in str(err.value)
     assert "dispatch" not in vars(mgr) and "forward" not in vars(layer.experts)  # nothing stays hooked
+
+
+SENTINEL = 30_000.0
+"""Finite on purpose: padding rows do pass through the expert GEMMs with a zero output gradient, so a NaN or
+inf there would reach the weight gradients as 0 x NaN (in the control too, whose kernel output is not
+zeroed either); finite stale rows contribute exact zeros."""
+
+
+def _poison(pool: BufferPool, slots: int) -> None:
+    """Fill every dispatch slot with SENTINEL (acquire all, write, release: the cursor is back at slot 0)."""
+    held = [pool.acquire("dispatch_output") for _ in range(slots)]
+    for t in held:
+        t.fill_(SENTINEL)
+    for t in held:
+        pool.release("dispatch_output", t)
+
+
+def test_stale_rows_of_a_reused_dispatch_slot_never_reach_the_result(hybridep, monkeypatch) -> None:
+    """The fake, like the kernel, writes only the dispatched rows of ``output_token``: padding rows and rows
+    past the dispatched count keep what the slot held. Poison every slot with a sentinel first: the layer's
+    output and gradients must still equal the control's bit for bit."""
+    layer = _layer(monkeypatch)
+    xs = _inputs()
+    ref_out, ref_grad = _interleaved(layer, xs)
+    ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(slots=2), tokens=TOKENS):
+        _poison(pool, 2)
+        out, grad = _interleaved(layer, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in layer.named_parameters() if p.grad is not None)
+    assert pool.stats()["dispatch_output"].acquisitions == 2 + 3
+
+    # Positive control (after the run above, on a layer of its own): the poison survives, whole, in the rows
+    # a dispatch leaves alone, so the run above did read from poisoned slots.
+    probe_pool = BufferPool("cpu")
+    probe = _layer(monkeypatch)
+    with install(probe, probe_pool, _knobs(slots=1), tokens=TOKENS), torch.no_grad():
+        _poison(probe_pool, 1)
+        d, _ = _dispatch(probe, _inputs()[0], 0)
+        stale = (d == SENTINEL).all(dim=1)
+        # TOKENS x TOPK = 128 rows dispatched into a 1,024-row slot: 896 rows keep the poison, whole.
+        assert int(stale.sum()) == d.shape[0] - TOKENS * TOPK == 1024 - 128
+        assert not (d[~stale] == SENTINEL).any()
+        probe_pool.release("dispatch_output", d)

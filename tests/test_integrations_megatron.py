@@ -109,6 +109,10 @@ def test_install_matches_control_interleaved(parallel, num_experts: int, mode: s
     ref_out, ref_grad = _interleaved(layer, xs)
     ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
+    again_out, again_grad = _interleaved(layer, xs)  # the control's own determinism, else equality means nothing
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, again_out + again_grad, strict=True))
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in layer.named_parameters() if p.grad is not None)
+    layer.zero_grad(set_to_none=True)
     with mode_env(mode):
         pool = BufferPool("cpu")
         with install(layer, pool, _knobs(), tokens=TOKENS) as inst, guard(pool, mode):
@@ -148,6 +152,7 @@ def test_install_allocator_policies_match_control(parallel, policy: str) -> None
     layer = _layer(8)
     x = torch.randn(SEQ, MBS, HIDDEN)
     ref = _forward(layer, x).detach()
+    assert torch.equal(ref, _forward(layer, x).detach())  # the control is deterministic
     pool = BufferPool("cpu")
     with install(layer, pool, _knobs(0, policy), tokens=TOKENS):
         got = _forward(layer, x)

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
 from megatron_cpu import single_process_model_parallel  # noqa: E402
-from schedule_harness import MODES, ORDERS, Row, compare, guard, mode_env, rows_for  # noqa: E402
+from schedule_harness import MODES, ORDERS, Row, compare, control_is_deterministic, guard, mode_env, rows_for  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
@@ -163,6 +163,7 @@ def test_schedule_row_matches_control_or_is_refused_by_name(parallel, row: Row, 
         assert "token_dispatch" not in vars(layer.token_dispatcher)  # nothing stayed replaced
         return
     ref = run_order(layer, xs, row.order)
+    control_is_deterministic(row.name, mode, ref, run_order(layer, xs, row.order))
     with mode_env(mode):
         pool = BufferPool("cpu")
         assert pool.debug is (mode == "debug")
@@ -190,3 +191,41 @@ def test_schedule_row_matches_control_or_is_refused_by_name(parallel, row: Row, 
     assert set(inst.expected_release) == set(stats)
     disagreements = inst.release_check()
     assert not disagreements, "\n".join(map(str, disagreements))
+
+
+def test_allocation_probes_count_by_the_megatron_site_not_by_bufreuse_names() -> None:
+    """The GPU tests' probes (schedule_harness) on hand-made snapshot stacks: what counts, what does not."""
+    from schedule_harness import alloc_stacks, dispatch_stage_allocs, expert_output_allocs, layer_allocs
+
+    mc = "/site-packages/megatron/core/transformer/moe/"
+
+    def ev(*frames: tuple[str, str, int]) -> dict:
+        return {"action": "alloc", "frames": [{"filename": f, "name": n, "line": ln} for f, n, ln in frames]}
+
+    cat = ev(
+        ("/torch/functional.py", "cat", 1),
+        (mc + "experts.py", "forward", 108),
+        (mc + "moe_layer.py", "routed_experts_compute", 558),
+    )
+    fc1 = ev(
+        (mc + "../../mlp.py", "forward", 140),
+        (mc + "experts.py", "forward", 104),
+        (mc + "moe_layer.py", "routed_experts_compute", 558),
+    )
+    ours = ev(
+        ("/x/bufreuse/integrations/alltoall/functions.py", "forward", 70),
+        ("/x/bufreuse/integrations/core.py", "wrapper", 9),
+        (mc + "moe_layer.py", "routed_experts_compute", 558),
+    )  # a replacement experts.forward allocating per call
+    a2a = ev(
+        ("/m/megatron/core/tensor_parallel/mappings.py", "forward", 441),
+        (mc + "token_dispatcher.py", "token_dispatch", 698),
+        (mc + "moe_layer.py", "dispatch", 498),
+    )
+    cxx = ev(("??", "at::empty", 0))
+    snap = {"device_traces": [[cat, fc1, ours, a2a, cxx, {"action": "free_requested", "frames": []}]]}
+    stacks = alloc_stacks(snap)
+    assert len(stacks) == 5 and stacks[4] == []  # C++-only frames are dropped, the event still counts
+    assert expert_output_allocs(stacks) == 2  # the control's cat and the replacement's own allocation
+    assert expert_output_allocs([stacks[1]]) == 0  # an expert MLP's FC1 output is not the expert output
+    assert dispatch_stage_allocs(stacks) == 1 and layer_allocs(stacks) == 4

@@ -15,8 +15,9 @@ forwards of :func:`bufreuse.plan.schedule.warmup_forwards`), each checked agains
   and releases before the next layer acquires. With recompute still 1 (the recomputed forward releases
   inside the backward of the same layer).
 - **backward release, none**: **L**. F(i) holds its L acquisitions until B(i).
-- **backward release, 1F1B**: **L x (min(p - r - 1, m) + 1)**, i.e. **L x (p - r)** for ``m >= p - r``.
-  The steady phase runs F(w + i) before B(i): ``w + 1`` forwards are in flight, each holding L slots.
+- **backward release, 1F1B**: **L x min(m, p - r)**, i.e. **L x (p - r)** for ``m >= p - r``.
+  The steady phase runs F(w + i) before B(i): ``w + 1`` forwards are in flight, each holding L slots;
+  with ``m < p - r`` every microbatch is a warm-up forward and all ``m`` are in flight.
 - **backward release, interleaved** (``w`` = ``min(2 (p - r - 1) + (v - 1) g, m v)`` warm-up forwards,
   ``g`` = microbatch_group_size_per_vp_stage, default p): **L x min(m v, w + 1)**. Every forward in
   flight holds L slots of the shared ring whatever its chunk, and the steady phase runs one more forward

@@ -196,7 +196,9 @@ class HybridEPBufferUpstream:
                 warnings.warn("This handle could be invalid.", stacklevel=3)
             mapping, padded = handle[0], torch.bincount(handle[6], minlength=handle[7].numel())
             rows = int(padded.sum()) if num_permuted_tokens is None else int(num_permuted_tokens)
-        out = hidden.new_zeros((rows, hidden.shape[1])) if output_token is None else output_token.zero_()
+        # A caller's output_token is written only at the dispatched rows, like the kernel: padding rows and
+        # rows past the dispatched count keep whatever the slot held before (stale data in a reused slot).
+        out = hidden.new_zeros((rows, hidden.shape[1])) if output_token is None else output_token
         p = None if probs is None else probs.new_zeros(rows)
         for e in range(mapping.shape[1]):
             tok = (mapping[:, e] >= 0).nonzero().flatten()
