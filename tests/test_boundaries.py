@@ -215,7 +215,7 @@ def _ref_1f1b_peak(p: int, r: int, m: int) -> int:
 
 
 def _ref_interleaved_peak(p: int, r: int, m: int, v: int, g: int) -> int:
-    """Most forwards of one chunk in flight under the interleaved schedule (groups of g microbatches)."""
+    """Most forwards in flight, over all chunks, under the interleaved schedule (groups of g microbatches)."""
     table = [(mb, c) for start in range(0, m, g) for c in range(v) for mb in range(start, min(start + g, m))]
     fwd_chunk = [c for _, c in table]
     bwd_chunk = [v - 1 - c for _, c in table]
@@ -224,11 +224,11 @@ def _ref_interleaved_peak(p: int, r: int, m: int, v: int, g: int) -> int:
     for k in range(len(table) - warm):
         order += [("F", fwd_chunk[k + warm]), ("B", bwd_chunk[k])]
     order += [("B", bwd_chunk[k]) for k in range(len(table) - warm, len(table))]
-    live = [0] * v
-    peak = 0
-    for kind, c in order:
-        live[c] += 1 if kind == "F" else -1
-        peak = max(peak, live[c])
+    # One ring shared by every chunk (what install() builds): all forwards in flight count, whatever the chunk.
+    live = peak = 0
+    for kind, _c in order:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
     return peak
 
 
@@ -256,25 +256,27 @@ def test_1f1b_closed_form_takes_m_when_fewer_microbatches_than_stages_ahead(p: i
 @pytest.mark.parametrize("v", [2, 3])
 def test_interleaved_closed_form_with_group_p_plus_one(p: int, v: int) -> None:
     g, layers = p + 1, 2
-    binding_2g = 0
+    binding_mv = binding_w = 0
     for r in range(p):
-        for m in range(p, 4 * p + 1):
+        for m in range(1, 4 * p + 1):
             spec = ScheduleSpec(kind=ScheduleKind.INTERLEAVED, pp=p, rank=r, microbatches=m, vpp=v, group=g)
             expected = layers * _ref_interleaved_peak(p, r, m, v, g)
             assert closed_form(spec, ReleasePoint.BACKWARD, layers)[0] == expected, (p, r, m, v)
             assert _simulated(spec, layers) == expected, (p, r, m, v)
             w = min(2 * (p - r - 1) + (v - 1) * g, m * v)
-            binding_2g += 2 * g < min(m, w + 1)
-    # The 2g term decides some of these cases (else a wrong 2g would pass unnoticed).
-    assert binding_2g > 0
+            binding_mv += m * v < w + 1
+            binding_w += w + 1 < m * v
+    # Both terms of min(m v, w + 1) decide some of these cases (else a wrong term would pass unnoticed).
+    assert binding_mv > 0 and binding_w > 0
 
 
-def test_interleaved_2g_term_by_hand() -> None:
-    # p = 4, rank 0, v = 2, g = 5, m = 12: w = 2*3 + 1*5 = 11, so min(m, 2g, w + 1) = min(12, 10, 12) = 10.
+def test_interleaved_shared_ring_by_hand() -> None:
+    # p = 4, rank 0, v = 2, g = 5, m = 12: w = 2*3 + 1*5 = 11 warm-up forwards, then F before each B:
+    # 12 forwards in flight at most, min(m v, w + 1) = min(24, 12) = 12, times 3 layers.
     spec = ScheduleSpec(kind=ScheduleKind.INTERLEAVED, pp=4, rank=0, microbatches=12, vpp=2, group=5)
-    assert _ref_interleaved_peak(4, 0, 12, 2, 5) == 10
-    assert closed_form(spec, ReleasePoint.BACKWARD, 3)[0] == 30
-    assert _simulated(spec, 3) == 30
+    assert _ref_interleaved_peak(4, 0, 12, 2, 5) == 12
+    assert closed_form(spec, ReleasePoint.BACKWARD, 3)[0] == 36
+    assert _simulated(spec, 3) == 36
 
 
 # -- the allocator model's constants (c10 CUDACachingAllocator) ------------------------------------------
