@@ -148,6 +148,11 @@ def _figures(
             "reserved_at_max_active_bytes": final.reserved,
         }
         frees_without_alloc = completions_without_request = 0
+        groups = _final_pending_groups(final, rules)
+        for g in groups:
+            by_cat[g["category"]] = by_cat.get(g["category"], 0) + g["total_bytes"]
+            s = streams.setdefault(str(g["stream"]), {})
+            s["pending_free_at_max_active_bytes"] = s.get("pending_free_at_max_active_bytes", 0) + g["total_bytes"]
     else:
         ia, ir = r.max_active_index, r.max_reserved_index
         before_at = r.before_trace_at(ia)
@@ -231,6 +236,23 @@ def _pending_groups(t: EventTable, index: int, rules: SiteRules) -> list[dict[st
             key = (rules.site(frames), b.size, b.stream, rules.category(frames))
         else:
             key = (BEFORE_TRACE_SITE, b.size, b.stream, "other")
+        groups[key] = groups.get(key, 0) + 1
+    out = [
+        {"site": s, "size_bytes": size, "count": c, "total_bytes": size * c, "stream": st, "category": cat}
+        for (s, size, st, cat), c in groups.items()
+    ]
+    out.sort(key=lambda g: (-g["total_bytes"], g["site"], g["size_bytes"]))
+    return out
+
+
+def _final_pending_groups(final: FinalState, rules: SiteRules) -> list[dict[str, Any]]:
+    """The final state's pending-free blocks grouped as :func:`_pending_groups` does, from the blocks' own frames.
+
+    Without a trace the final state is the only point there is, so it stands for the max-active point.
+    """
+    groups: dict[tuple[str, int, int, str], int] = {}
+    for size, stream, frames in final.pending_blocks:
+        key = (rules.site(frames), size, stream, rules.category(frames))
         groups[key] = groups.get(key, 0) + 1
     out = [
         {"site": s, "size_bytes": size, "count": c, "total_bytes": size * c, "stream": st, "category": cat}
