@@ -28,7 +28,10 @@ NATIVE = [
     f("??", "torch::unwind::unwind()"),
     f("/pytorch/torch/csrc/profiler/combined_traceback.cpp", "torch::CapturedTraceback::gather(bool, bool, bool)"),
     f("/pytorch/torch/csrc/cuda/memory_snapshot.cpp", "torch::cuda::(anonymous namespace)::gather_with_cpp()"),
-    f("/pytorch/c10/cuda/CUDACachingAllocator.cpp", "c10::cuda::CUDACachingAllocator::Native::malloc(int, unsigned long)"),
+    f(
+        "/pytorch/c10/cuda/CUDACachingAllocator.cpp",
+        "c10::cuda::CUDACachingAllocator::Native::malloc(int, unsigned long)",
+    ),
     f("", "at::indexing::dispatch_index(at::Tensor const&, std::vector<at::Tensor>&&)"),
     f("??", "torch::autograd::dispatch_to(at::Tensor const&, c10::Device, bool, bool)"),
     f("/usr/lib/x86_64-linux-gnu/libc.so.6", "start_thread"),

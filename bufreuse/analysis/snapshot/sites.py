@@ -81,7 +81,9 @@ class SiteRules:
         self._skip = re.compile("|".join(f"(?:{p})" for p in (*DEFAULT_SITE_SKIP, *self.site_skip)))
         self._cats = [(name, re.compile(rx, re.M), True) for name, rx in self.categories.items()]
         self._cats += [
-            (name, re.compile(rx, re.M), False) for name, rx in BUILTIN_CATEGORIES.items() if name not in self.categories
+            (name, re.compile(rx, re.M), False)
+            for name, rx in BUILTIN_CATEGORIES.items()
+            if name not in self.categories
         ]
         self._moe = re.compile("|".join(f"(?:{rx})" for rx in BUILTIN_CATEGORIES.values()), re.M)
 
