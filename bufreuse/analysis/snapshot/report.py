@@ -110,6 +110,14 @@ def _pending_by_site(
         timeline.pending_by_site = dict(zip(ps.sites, ps.bytes, strict=True))
 
 
+def _max_pending_in_trace(r: Replay) -> int:
+    """Most bytes pending free at once from frees requested in the trace (pending before it is apart)."""
+    if not len(r.pending):
+        return 0
+    own = r.pending if r.pending_before_trace is None else r.pending - r.pending_before_trace
+    return max(int(own.max()), 0)
+
+
 def _int_or_none(v: Any) -> int | None:
     """An optional figure from the file: kept when it is an int in ``[0, 2^64)``, else None."""
     return v if type(v) is int and 0 <= v < U64 else None
@@ -145,6 +153,7 @@ def _figures(
             "max_active_without_pending_before_trace_bytes": final_active,
             "max_active_without_pending_before_trace_event_index": None,
             "max_pending_free_bytes": final.pending_requested,
+            "pending_before_trace_bytes": 0,
             "reserved_at_max_active_bytes": final.reserved,
         }
         frees_without_alloc = completions_without_request = 0
@@ -172,7 +181,8 @@ def _figures(
             "max_active_depends_on_pending_before_trace": r.max_active_known_index != ia,
             "max_active_without_pending_before_trace_bytes": r.max_active_known,
             "max_active_without_pending_before_trace_event_index": r.max_active_known_index,
-            "max_pending_free_bytes": max(int(r.pending.max()), r.pending_baseline),
+            "max_pending_free_bytes": _max_pending_in_trace(r),
+            "pending_before_trace_bytes": r.pending_baseline,
             "reserved_at_max_active_bytes": _at(r.reserved, ia, r.reserved_baseline),
         }
         groups = _pending_groups(t, ia, rules)
