@@ -87,6 +87,16 @@ def test_builtin_categories_ignore_cpp_and_jupyter_dispatch_names() -> None:
     assert SiteRules().category([*NATIVE, te]) == "expert_output"
 
 
+def test_builtin_rules_read_python_frames_only() -> None:
+    # a native frame whose text a built-in rule would match (a library symbol, a .cu file) is not MoE
+    native = [f("/opt/ext/csrc/fused_a2a.cu", "launch_kernel"), f("", "ext::grouped_linear_fwd(at::Tensor)")]
+    assert SiteRules().category([*native, *CNN]) == "other"
+    # positive control: the same names in Python frames are MoE
+    py = [f("/opt/ext/fused_a2a.py", "launch", 3), f("/opt/ext/grouped_linear.py", "fwd", 9)]
+    assert SiteRules().category([*py, *CNN]) == "dispatch_output"
+    assert SiteRules().category([py[1], *CNN]) == "expert_output"
+
+
 def test_a_user_rule_may_match_cpp_names() -> None:
     rules = SiteRules(categories={"indexing": r"dispatch_index"})
     assert rules.category([*NATIVE, *CNN]) == "indexing"
