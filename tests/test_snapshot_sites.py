@@ -160,3 +160,48 @@ def test_final_state_only_snapshot_breaks_pending_free_down_by_site(tmp_path: Pa
     assert by_cat["dispatch_output"] == 18 * MiB and by_cat["other"] == 3 * MiB
     assert rep["streams"]["7"]["pending_free_at_max_active_bytes"] == 21 * MiB
     assert rep["pending_free_at_max_active_bytes"] == sum(by_cat.values())
+
+
+def _two_device_snapshot(tmp_path: Path) -> Path:
+    """Device 0: a 4 MiB record_stream free while a 1 KiB block pending from before the trace still waits;
+    device 1: a bigger reserve, so it is the device reported."""
+    base = 1 << 32
+    t0 = [
+        entry("alloc", base + 8 * MiB, 4 * MiB, frames=[*NATIVE, *CNN]),
+        entry("free_requested", base + 8 * MiB, 4 * MiB, frames=[*NATIVE, *CNN]),
+        entry("free_completed", base, 1024),  # its free_requested predates the trace: pending before it
+        entry("alloc", base + 16 * MiB, 4 * MiB, frames=[*NATIVE, *CNN]),
+        entry("free_completed", base + 8 * MiB, 4 * MiB, frames=[*NATIVE, *CNN]),
+    ]
+    t1 = [entry("alloc", base, 64 * MiB, frames=[*NATIVE, *CNN]), entry("free_requested", base, 64 * MiB)]
+    segs = [
+        segment(base, 24 * MiB, [block(base, 2 * MiB, "inactive"), block(base + 16 * MiB, 4 * MiB, "active_allocated",
+                                                                          4 * MiB)], device=0),
+        segment(base, 64 * MiB, [block(base, 64 * MiB, "active_pending_free", 64 * MiB)], device=1),
+    ]  # fmt: skip
+    return write(tmp_path / "two.pickle", {"segments": segs, "device_traces": [t0, t1]})
+
+
+def test_multi_device_text_names_its_device_and_the_others(tmp_path: Path) -> None:
+    from bufreuse.analysis.render.export import renderable_text
+    from bufreuse.analysis.render.snapshot_tables import file_renderable
+
+    rep = report_file(_two_device_snapshot(tmp_path))
+    assert rep["device"] == 1  # 64 MiB reserved beats 24 MiB
+    text = " ".join(renderable_text(file_renderable(rep), width=200).split())  # the title may wrap
+    assert "(device 1)" in text and "also in the file: device 0" in text
+
+
+def test_max_pending_free_excludes_pre_trace_bytes_and_small_figures_print_in_bytes(tmp_path: Path) -> None:
+    from bufreuse.analysis.snapshot import load_snapshot
+    from bufreuse.analysis.snapshot.report import ReportConfig, analyze
+
+    data = load_snapshot(_two_device_snapshot(tmp_path))
+    data.traces.pop(1)  # device 0 alone
+    data.final.pop(1)
+    rep, _ = analyze(data, ReportConfig(pending_series_points=0))
+    assert rep["device"] == 0
+    # the trace's own record_stream free: 4 MiB; the 1 KiB pending at trace start is apart
+    assert rep["max_pending_free_bytes"] == 4 * MiB
+    assert rep["pending_before_trace_bytes"] == 1024
+    assert any(w.startswith("1,024 B pending free before the trace began") for w in rep["warnings"])
