@@ -11,7 +11,7 @@ Reading files (one or several, in worker processes) is :mod:`.batch`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,8 @@ import numpy as np
 from bufreuse.analysis.snapshot.load import EventTable, FinalState, SnapshotData
 from bufreuse.analysis.snapshot.replay import Replay, pending_blocks_at, replay
 from bufreuse.analysis.snapshot.schema import ALLOC, OOM
-from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, SiteRules
-from bufreuse.analysis.snapshot.validate import U64
+from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, UNKNOWN_SITE, SiteRules
+from bufreuse.analysis.snapshot.validate import MAX_FRAMES, U64
 
 __all__ = ["ReportConfig", "Timeline", "analyze"]
 
@@ -240,10 +240,11 @@ def _pending_groups(t: EventTable, index: int, rules: SiteRules) -> list[dict[st
     record_stream waits that the trace can show (the report lists them apart).
     """
     groups: dict[tuple[str, int, int, str], int] = {}
+    name = _stack_namer(rules)
     for b in pending_blocks_at(t, index):
         if b.alloc_index >= 0:
-            frames = t.entries[b.alloc_index].get("frames")
-            key = (rules.site(frames), b.size, b.stream, rules.category(frames))
+            site, cat = name(t.entries[b.alloc_index].get("frames"))
+            key = (site, b.size, b.stream, cat)
         else:
             key = (BEFORE_TRACE_SITE, b.size, b.stream, "other")
         groups[key] = groups.get(key, 0) + 1
@@ -255,14 +256,39 @@ def _pending_groups(t: EventTable, index: int, rules: SiteRules) -> list[dict[st
     return out
 
 
+def _stack_namer(rules: SiteRules) -> Callable[[Any], tuple[str, str]]:
+    """``frames -> (site, category)`` as ``rules.site`` / ``rules.category`` give them, each distinct stack
+    named once (a queue of 10^5 blocks repeats the same few stacks; the key is the frames' text)."""
+    seen: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+    def name(frames: Any) -> tuple[str, str]:
+        if not isinstance(frames, list):
+            return UNKNOWN_SITE, "other"
+        try:
+            key = tuple(
+                (f.get("filename"), f.get("line"), f.get("name")) if isinstance(f, dict) else None
+                for f in frames[:MAX_FRAMES]
+            )
+            hit = seen.get(key)
+        except TypeError:  # an unhashable field (a list where a name belongs): name it uncached
+            return rules.site(frames), rules.category(frames)
+        if hit is None:
+            hit = seen[key] = (rules.site(frames), rules.category(frames))
+        return hit
+
+    return name
+
+
 def _final_pending_groups(final: FinalState, rules: SiteRules) -> list[dict[str, Any]]:
     """The final state's pending-free blocks grouped as :func:`_pending_groups` does, from the blocks' own frames.
 
     Without a trace the final state is the only point there is, so it stands for the max-active point.
     """
     groups: dict[tuple[str, int, int, str], int] = {}
+    name = _stack_namer(rules)
     for size, stream, frames in final.pending_blocks:
-        key = (rules.site(frames), size, stream, rules.category(frames))
+        site, cat = name(frames)
+        key = (site, size, stream, cat)
         groups[key] = groups.get(key, 0) + 1
     out = [
         {"site": s, "size_bytes": size, "count": c, "total_bytes": size * c, "stream": st, "category": cat}
