@@ -221,10 +221,9 @@ def _predict(adv: Advice, data: Any, raw: Any, wanted: list[str]) -> None:
         adv.depth = {b: max(rings[b].min_slots, 1) for b in wanted if b in rings}
         if adv.depth:
             adv.depth_source = "trace"
-            adv.depth_notes.append(
-                "from the trace: the most blocks of each site alive at once (pass --config or --args for the "
-                "planner's depth for the schedule)"
-            )
+            planned = any(n.startswith("planner") for n in adv.depth_notes)
+            hint = "the planner gave none, see above" if planned else "pass --config or --args for the planner's depth"
+            adv.depth_notes.append(f"from the trace: the most blocks of each site alive at once ({hint})")
     if not adv.depth:
         return
     n = max(adv.depth.values())
