@@ -94,10 +94,11 @@ def run_demo(
         name = sweep.folder.relative_to(examples).as_posix() if sweep.folder != examples else sweep.folder.name
         result.sweeps.append(name)
         folder = out / name.replace("/", "__")
+        run = run_title(sweep, name)
         note(f"sweep table: {name}")
-        result.files.extend(_sweep_outputs(sweep, folder, name, result.summary))
+        result.files.extend(_sweep_outputs(sweep, folder, name, result.summary, run))
         note(f"compare control feature: {name}")
-        result.files.extend(_compare_outputs(sweep, folder, name, result.summary))
+        result.files.extend(_compare_outputs(sweep, folder, name, result.summary, run))
     for snap in result.snapshots:
         if "error" in snap:
             result.summary.append(f"snapshot {snap['file']}: unreadable: {snap['error']}")
@@ -121,6 +122,29 @@ def run_demo(
     return result
 
 
+def run_title(sweep: SweepDir, name: str) -> str:
+    """``name: proxy, 32768 tokens x 4096 hidden, 8 experts top-2, bf16, NVIDIA H200`` from the manifest
+    and the first finished run's environment (what a figure's title names)."""
+    try:
+        p = sweep.read_manifest().get("params") or {}
+    except (OSError, ValueError, InputError):
+        p = {}
+    parts = [str(p["workload"])] if p.get("workload") else []
+    if p.get("tokens") and p.get("hidden"):
+        parts.append(f"{p['tokens']} tokens x {p['hidden']} hidden")
+    if p.get("local_experts"):
+        parts.append(f"{p['local_experts']} experts" + (f" top-{p['topk']}" if p.get("topk") else ""))
+    if p.get("dtype"):
+        parts.append(str(p["dtype"]))
+    for cid in sweep.config_ids():
+        m = sweep.paths(cid).read_metrics()
+        env = m.get("env") if isinstance(m, dict) else None
+        if isinstance(env, dict) and env.get("gpu"):
+            parts.append(str(env["gpu"]) + (f" x{env['world_size']}" if (env.get("world_size") or 1) > 1 else ""))
+            break
+    return f"{name}: {', '.join(parts)}" if parts else name
+
+
 def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[dict[str, Any]], list[Path]]:
     """``snapshot-report`` over every file: JSON reports, the report text, a timeline PNG per file."""
     if not paths:
@@ -140,7 +164,8 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
         renderables.append(file_renderable(report))
         if res.timeline is not None:
             png = out / "snapshots" / (_strip_snapshot_suffix(name).replace("/", "__") + ".png")
-            files.append(atomic_write_bytes(png, png_bytes(timeline_figure(res.timeline, title=name))))
+            title = f"{name} (device {report['device']}): max reserved {_mib(report['max_reserved_bytes'])} MiB"
+            files.append(atomic_write_bytes(png, png_bytes(timeline_figure(res.timeline, title=title))))
     text = renderable_text(snapshots_table(reports)) + "".join(renderable_text(r) for r in renderables)
     files.insert(0, atomic_write_json(out / "snapshots.json", reports))
     files.insert(1, atomic_write_text(out / "snapshots.txt", text))
@@ -155,14 +180,14 @@ def _strip_snapshot_suffix(name: str) -> str:
     return name
 
 
-def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str]) -> list[Path]:
+def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str], run: str) -> list[Path]:
     rows = load_sweep_rows(sweep.folder)
     dicts = [r.to_dict() for r in rows]
     files = [
         atomic_write_text(folder / "sweep-table.txt", renderable_text(sweep_table(rows, title=f"sweep {name}"))),
         atomic_write_json(folder / "sweep-table.json", dicts),
         atomic_write_text(folder / "sweep-table.csv", csv_text(dicts)),
-        *(atomic_write_bytes(folder / file, png_bytes(fig)) for file, fig in sweep_figures(rows).items()),
+        *(atomic_write_bytes(folder / file, png_bytes(fig)) for file, fig in sweep_figures(rows, run=run).items()),
     ]
     ok = [r for r in rows if r.status == "ok"]
     control = next((r for r in ok if r.mode == "control"), None)
@@ -181,7 +206,7 @@ def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str])
     return files
 
 
-def _compare_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str]) -> list[Path]:
+def _compare_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str], run: str) -> list[Path]:
     try:
         result = _compare_in(sweep)
     except InputError as e:
@@ -191,7 +216,10 @@ def _compare_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str
         atomic_write_text(folder / "compare.csv", csv_text(result.to_rows())),
         atomic_write_json(folder / "compare.json", result.to_dict()),
         atomic_write_text(folder / "compare.txt", comparison_text(result)),
-        *(atomic_write_bytes(folder / file, png_bytes(fig)) for file, fig in comparison_figures(result).items()),
+        *(
+            atomic_write_bytes(folder / file, png_bytes(fig))
+            for file, fig in comparison_figures(result, run=run).items()
+        ),
     ]
     for comp in result.comparisons:
         verdicts = ", ".join(

@@ -79,8 +79,9 @@ def test_table_renders_deltas_and_pending() -> None:
 def test_plots_are_figures_with_series(tmp_path: Path) -> None:
     fig = plot_reserved(_rows())
     assert isinstance(fig, Figure)
-    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert labels == ["control / ring", "stream-ordered", "control / ring (graph)"]
+    labels = sorted(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    assert labels == sorted(["control: record_stream", "ring", "stream-ordered 1,444",
+                             "control: record_stream (graph)", "ring (graph)"])  # fmt: skip
     assert isinstance(plot_step_time([]), Figure)  # nothing finished: an empty plot, no error
     paths = write_figures(tmp_path, sweep_figures(_rows()))
     assert [p.name for p in paths] == list(SWEEP_PLOT_FILES)
@@ -101,3 +102,34 @@ def test_recorded_h200_example_sweep_reads() -> None:
     assert rows["slots0"].status == "ok" and rows["slots4"].reserved_delta_bytes < 0
     assert not checksum_mismatches(list(rows.values()))
     assert rows["slots4"].pending_free_bytes is not None
+
+
+def test_sweep_plot_never_joins_points_and_labels_every_value() -> None:
+    from matplotlib.lines import Line2D
+
+    rows = rows_from_metrics(
+        {
+            "slots0": _m("control", 0, 5672, 36.0),
+            "slots2": _m("ring", 2, 2000, 36.2),
+            "slots10": _m("ring", 10, 4000, 36.1),
+            "stream-ordered": _m("stream-ordered", 0, 1444, 39.6),
+        }
+    )
+    ax = plot_reserved(rows, run="sweep-x: proxy, NVIDIA H200").axes[0]
+    # no drawn line joins measured points (a line from 2 to 10 would imply values at 3..9); the only
+    # line is the stream-ordered level across the axes
+    joined = [ln for ln in ax.get_lines() if isinstance(ln, Line2D) and len(ln.get_xdata()) > 1
+              and ln.get_linestyle() not in ("None", "", " ") and len(set(ln.get_ydata())) > 1]  # fmt: skip
+    assert joined == []
+    texts = {t.get_text() for t in ax.texts}
+    assert {"5,672", "2,000", "4,000"} <= texts  # each point labelled with its MiB
+    assert "NVIDIA H200" in ax.get_title()
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().y0 < ax.bbox.y0  # below the axes: it covers no data
+    st = plot_step_time(rows).axes[0]
+    assert "does not start at 0" in st.get_title() and st.get_ylim()[0] > 0
+    assert len(st.collections) >= 2  # p10-p90 error bars of control and rings (LineCollections) ...
+    # ... whose extent is the spread written into metrics.json (±0.1 ms around each median)
+    segs = [seg for c in st.collections if hasattr(c, "get_segments") for seg in c.get_segments()]
+    spans = sorted(round(float(seg[1][1] - seg[0][1]), 6) for seg in segs if len(seg) == 2 and seg[0][0] == seg[1][0])
+    assert spans and all(abs(v - 0.2) < 1e-6 for v in spans)

@@ -8,7 +8,18 @@ from typing import Annotated
 import typer
 
 from bufreuse import __version__
-from bufreuse.cli import bench, check_config, compare, demo, plan, snapshot_diff, snapshot_report, sweep, what_if
+from bufreuse.cli import (
+    advise,
+    bench,
+    check_config,
+    compare,
+    demo,
+    plan,
+    snapshot_diff,
+    snapshot_report,
+    sweep,
+    what_if,
+)
 from bufreuse.cli._common import BoundaryGroup, CliState, set_debug
 
 __all__ = ["app", "main"]
@@ -54,7 +65,7 @@ def _root(
         ctx.with_resource(limits.override(**limits.parse_overrides(limit)))
 
 
-for _module in (snapshot_report, snapshot_diff, what_if, plan, sweep, compare, demo, check_config, bench):
+for _module in (snapshot_report, snapshot_diff, what_if, advise, plan, sweep, compare, demo, check_config, bench):
     _module.register(app)
 
 

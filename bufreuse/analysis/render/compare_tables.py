@@ -33,14 +33,24 @@ _STYLE = {
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "—"
-    return f"{value:,.0f}" if unit == "MiB" else f"{value:,.2f}"
+    if unit == "MiB":
+        return f"{value:.2g}" if 0 < abs(value) < 1 else f"{value:,.0f}"  # a tiny value is not "0"
+    return f"{value:,.2f}"
+
+
+def _labelled(label: str, text: str) -> str:
+    """``label: text``, unless ``text`` already starts with the label (a run's own warning)."""
+    return text if text.startswith(f"{label}: ") else f"{label}: {text}"
 
 
 def _delta_cell(m: MetricDelta) -> Text:
     if m.delta is None:
         return Text(m.verdict, style=_STYLE.get(m.verdict, ""))
     pct = f" ({m.delta_pct:+.2f}%)" if m.delta_pct is not None else ""
-    sign = f"{m.delta:+,.0f}" if m.unit == "MiB" else f"{m.delta:+,.2f}"
+    if m.unit == "MiB":
+        sign = f"{m.delta:+.2g}" if 0 < abs(m.delta) < 1 else f"{m.delta:+,.0f}"
+    else:
+        sign = f"{m.delta:+,.2f}"
     text = Text(f"{sign}{pct} ")
     if m.explained_by:
         text.append(f"{m.verdict}, explained by {m.explained_by}", style=_STYLE["explained"])
@@ -132,7 +142,7 @@ def comparison_renderable(result: ComparisonResult) -> Group:
             if m.note:
                 parts.append(Text(f"{comp.label}: {m.title}: {m.note}", style="yellow"))
         for caveat in comp.caveats:
-            parts.append(Text(f"{comp.label}: {caveat}", style="yellow"))
+            parts.append(Text(_labelled(comp.label, caveat), style="yellow"))
     for run in result.runs:
         if line := _samples_line(run.label, result.stats[run.label]):
             parts.append(Text(line, style="dim"))

@@ -40,7 +40,10 @@ def _when(report: dict[str, Any], key: str) -> str:
 
 def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
     """Summary figures, the pending-free groups at the max-active point, per-stream totals, warnings."""
-    s = Table(title=rich_text(report["file"]), title_justify="left", show_header=False, box=None, pad_edge=False)
+    title = f"{rich_text(report['file'])} (device {report['device']})"
+    if others := [d for d in report.get("devices", {}) if d != str(report["device"])]:
+        title += f": the device with the highest max reserved; also in the file: device {', '.join(others)} (--json)"
+    s = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
     s.add_column("figure", style="bold")
     s.add_column("value", justify="right")
     s.add_column("note", style="dim")
@@ -50,7 +53,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
         ("max active", report["max_active_bytes"], _when(report, "max_active")),
         ("  allocated there", report["allocated_at_max_active_bytes"], ""),
         ("  pending free there", report["pending_free_at_max_active_bytes"], "blocks waiting on record_stream"),
-        ("max pending free", report["max_pending_free_bytes"], "anywhere in the trace"),
+        ("max pending free", report["max_pending_free_bytes"], "anywhere in the trace, freed in it"),
         ("final reserved", report["final_reserved_bytes"], f"{report['num_segments']} segments"),
     ]
     if before := report.get("pending_before_trace_at_max_active_bytes"):
@@ -59,6 +62,8 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
             "; the max-active point depends on it" if moves else ""
         )
         rows.insert(5, ("  pending before the trace", before, note))
+    if report.get("pending_before_trace_bytes"):
+        rows.append(("pending at trace start", report["pending_before_trace_bytes"], "freed before recording began"))
     rows += [(f"  {k}", v, "final state") for k, v in report["final_state_bytes"].items()]
     frag = report["fragmentation"]
     rows += [
@@ -147,4 +152,6 @@ def snapshots_table(reports: list[dict[str, Any]]) -> Table:
 
 
 def _mib(v: Any) -> str:
-    return f"{v / _MiB:,.0f}" if isinstance(v, int | float) else "—"
+    if not isinstance(v, int | float):
+        return "—"
+    return f"{v / _MiB:.2g}" if 0 < abs(v) < _MiB else f"{v / _MiB:,.0f}"  # a tiny value is not "0"

@@ -163,5 +163,3 @@ def diff_figure(diff: SnapshotDiff, *, top: int = 10) -> Figure:
     ax.legend(fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     return fig
-
-

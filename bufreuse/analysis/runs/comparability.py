@@ -32,8 +32,28 @@ CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("seq_length", "sequence length"),
     ("precision", "precision"),
     ("recompute", "recompute"),
+    ("num_experts", "experts"),
+    ("moe_router_topk", "top-k"),
+    ("moe_token_dispatcher_type", "dispatcher"),
+    ("moe_capacity_factor", "capacity factor"),
+    ("moe_grouped_gemm", "grouped GEMM"),
 )
-"""(key in :attr:`RunRecord.config`, name in caveats), in the order caveats list them."""
+"""(key in :attr:`RunRecord.config`, name in caveats), in the order caveats list them. FP8 is part of
+``precision``; EP and the MoE keys are read under the names each fork prints (:data:`ALIASES`)."""
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "expert_model_parallel_size": ("expert_model_parallel_size", "moe_expert_parallel_size", "ep_size"),
+    "num_experts": ("num_experts", "num_moe_experts"),
+    "moe_router_topk": ("moe_router_topk", "topk", "moe_top_k"),
+    "moe_token_dispatcher_type": ("moe_token_dispatcher_type",),
+    "moe_capacity_factor": (
+        "moe_expert_capacity_factor",
+        "moe_train_capacity_factor",
+        "moe_expert_rank_capacity_factor",
+    ),
+    "moe_grouped_gemm": ("moe_grouped_gemm",),
+}
+"""Comparable key -> the argument names Megatron-LM and Megatron-DeepSpeed print for it (first found wins)."""
 
 SCOPES = {
     "megatron": "a Megatron log: memory is the maximum over the job's reporting ranks",
@@ -41,12 +61,20 @@ SCOPES = {
     "sweep": "a sweep configuration: metrics.json of one device",
 }
 
-_DIRECT = {key for key, _ in CONFIG_FIELDS} - {"precision", "recompute"}
+_DIRECT = {key for key, _ in CONFIG_FIELDS} - {"precision", "recompute"} - set(ALIASES)
 
 
 def run_config(args: dict[str, str]) -> dict[str, str]:
     """The comparable fields of Megatron's printed arguments, as display strings (absent ones left out)."""
     cfg = {k: args[k] for k in _DIRECT if args.get(k) not in (None, "")}
+    for key, names in ALIASES.items():
+        value = next((args[n] for n in names if args.get(n) not in (None, "")), None)
+        if value is not None:
+            cfg[key] = value
+    dispatcher = cfg.get("moe_token_dispatcher_type")
+    backend = args.get("moe_flex_dispatcher_backend") or ("deepep" if args.get("moe_enable_deepep") == "True" else None)
+    if dispatcher == "flex" and backend not in (None, "None", ""):
+        cfg["moe_token_dispatcher_type"] = f"flex ({backend})"
     if "seq_length" not in cfg and args.get("encoder_seq_length"):
         cfg["seq_length"] = args["encoder_seq_length"]
     precision = _precision(args)
@@ -103,7 +131,17 @@ def config_caveats(base: RunRecord, run: RunRecord) -> list[str]:
         a, b = base.config.get(key), run.config.get(key)
         if a is not None and b is not None and a != b:
             out.append(f"configurations differ: {name} {a} in {base.label}, {b} in {run.label}")
+        elif key in _MOE_KEYS and (a is None) != (b is None):
+            have, lacks = (base, run) if a is not None else (run, base)
+            out.append(
+                f"configurations may differ: {name} {a if a is not None else b} in {have.label}, "
+                f"not printed in {lacks.label}"
+            )
     return out
+
+
+_MOE_KEYS = frozenset({"num_experts", "moe_router_topk", "expert_model_parallel_size", "moe_token_dispatcher_type"})
+"""MoE keys whose absence on one side is itself a difference (a dense run prints none of them)."""
 
 
 def scope_conflict(base: RunRecord, run: RunRecord) -> str | None:

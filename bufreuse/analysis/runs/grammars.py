@@ -18,6 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "FIELDS",
     "GRAMMARS",
+    "MEMORY_FIELDS",
     "FieldGrammar",
     "LineGrammar",
     "clean_text",
@@ -67,6 +68,32 @@ GRAMMARS: tuple[LineGrammar, ...] = (
         ),
         pattern=re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|"),
         yields="iteration, train_iters, the '|'-terminated fields of FIELDS (a field cut before its '|' is not read)",
+    ),
+    LineGrammar(
+        name="nemo-iteration",
+        era="NeMo 2 / Lightning progress printer (0-based iterations; the last field has no closing '|')",
+        example=(
+            "Training epoch 0, iteration 1/99 | lr: 1.961e-07 | global_batch_size: 4 | global_step: 1 |"
+            " reduced_train_loss: 15.07 | train_step_timing in s: 2.008 | consumed_samples: 8"
+        ),
+        pattern=re.compile(r"Training epoch \d+, (iteration\s+\d+\s*/\s*\d+\s*\|)"),
+        yields="as 'iteration' (group 1 is that match); the last field is read when the line is complete",
+    ),
+    LineGrammar(
+        name="bridge-step-time",
+        era="Megatron-Bridge, printed before the iteration line of its window",
+        example="Step Time : 2.34s GPU utilization: 452.1MODEL_TFLOP/s/GPU",
+        pattern=re.compile(rf"Step Time\s*:\s*({NUM})s\s+GPU utilization:\s*({NUM})\s*MODEL_TFLOP/s/GPU"),
+        yields="step time (s) and model TFLOP/s per GPU for the next iteration line that prints none itself",
+    ),
+    LineGrammar(
+        name="slurm-cancelled",
+        era="SLURM (slurmstepd), when a job or step is cancelled or hits its time limit",
+        example=(
+            "slurmstepd: error: *** JOB 2796012 ON node-0001 CANCELLED AT 2025-01-02T03:04:05 DUE TO TIME LIMIT ***"
+        ),
+        pattern=re.compile(r"\*\*\* (?:JOB|STEP) (\S+) ON (\S+) CANCELLED AT (\S+)([^*]*)\*\*\*"),
+        yields="a warning: the run was cancelled (its last windows may be cut)",
     ),
     LineGrammar(
         name="memory-rank",
@@ -138,13 +165,30 @@ FIELDS: dict[str, FieldGrammar] = {
         FieldGrammar(label="throughput per GPU (TFLOP/s/GPU)", attr="tflops", scale=1.0, era="Megatron-LM 2023-"),
         FieldGrammar(label="TFLOPs", attr="tflops", scale=1.0, era="Megatron-DeepSpeed / BigScience (per GPU)"),
         FieldGrammar(label="samples per second", attr="samples_per_s", scale=1.0, era="Megatron-DeepSpeed"),
+        FieldGrammar(label="train_step_timing in s", attr="elapsed_ms", scale=1000.0, era="NeMo 2 / Lightning"),
+        FieldGrammar(label="TFLOPS_per_GPU", attr="tflops", scale=1.0, era="NeMo 2 (FLOPs callback)"),
         FieldGrammar(label="lm loss", attr="loss", scale=1.0, era="all"),
+        FieldGrammar(label="reduced_train_loss", attr="loss", scale=1.0, era="NeMo 2 / Lightning"),
         FieldGrammar(label="number of skipped iterations", attr="skipped", scale=1.0, era="all"),
         FieldGrammar(label="number of nan iterations", attr="nan", scale=1.0, era="all"),
     )
 }
 """Iteration-line fields by printed label. A value printed ``current/average`` (``13090.4/13102.9``)
 is read as its current value, the window's own figure."""
+
+MEMORY_FIELDS: dict[str, FieldGrammar] = {
+    f.label: f
+    for f in (
+        FieldGrammar(label="memory(GiB)", attr="max_reserved_mib", scale=1024.0,
+                     era="ms-swift Megatron: torch.cuda.max_memory_reserved() in GiB"),
+        FieldGrammar(label="hip mem usage/free/total/usage_ratio", attr="device_used_mib", scale=1024.0,
+                     era="Primus (ROCm): used/free/total from torch.cuda.mem_get_info(), GiB printed as 'GB'"),
+        FieldGrammar(label="rocm mem usage/free/total/usage_ratio", attr="device_used_mib", scale=1024.0,
+                     era="Primus (ROCm): VRAM used/free/total from rocm-smi, GiB printed as 'GB'"),
+    )
+}  # fmt: skip
+"""Memory fields printed on iteration lines, read as MiB (the first number of a ``used/free/...`` list).
+Any other iteration field whose label says memory is named in a warning, never guessed at."""
 
 TIMING_ATTRS = ("elapsed_ms", "tflops")
 """An iteration line counts only with one of these (else it is a validation or foreign line)."""

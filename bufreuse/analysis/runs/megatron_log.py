@@ -2,8 +2,11 @@
 
 The line shapes, with an example each, are the table in :mod:`.grammars`: Megatron-LM of every
 era (``(ms)`` and ``(s)``, with and without ``[Rank N]``), Megatron-DeepSpeed / BigScience
-(``samples per second``, ``TFLOPs``), ``current/average`` pairs (the current value is read),
-the start-up arguments block and world-size line, SLURM node lists. Any line prefix, ANSI
+(``samples per second``, ``TFLOPs``), NeMo 2 / Lightning (``train_step_timing in s``),
+Megatron-Bridge's ``Step Time`` line, memory fields of forks on the iteration line (ms-swift
+``memory(GiB)``, Primus ``hip mem usage``; unknown ones named in a warning), ``current/average``
+pairs (the current value is read), the start-up arguments block and world-size line, SLURM node
+lists and cancellations. Any line prefix, ANSI
 colour codes, CRLF and gzip'd files are handled; lines of several ranks may interleave.
 
 It trusts an iteration field only when its closing ``|`` was written, and drops memory reports
@@ -22,7 +25,14 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bufreuse.analysis.runs.grammars import FIELDS, TIMING_ATTRS, clean_text, describe_unknown, grammar
+from bufreuse.analysis.runs.grammars import (
+    FIELDS,
+    MEMORY_FIELDS,
+    TIMING_ATTRS,
+    clean_text,
+    describe_unknown,
+    grammar,
+)
 from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
 from bufreuse.analysis.runs.textfile import LogBudgetError, check, check_log_text
 from bufreuse.errors import LogFormatError
@@ -54,7 +64,13 @@ _JOBID_RE = grammar("jobid").pattern
 _FIELD_RE = re.compile(r"^\s*([^:|]+?)\s*:\s*(.+?)\s*$")  # a value with spaces is junk, named in a warning
 _AFTER_RE = re.compile(r"after (\d+) iterations")
 _SIZE_RE = re.compile(r"(data|tensor-model|pipeline-model|context|expert-model)-parallel[ -]size:\s*(\d+)")
-_FILE_JOBID_RE = re.compile(r"slurm-(\d+)")
+_NEMO_RE = grammar("nemo-iteration").pattern
+_BRIDGE_RE = grammar("bridge-step-time").pattern
+_CANCEL_RE = grammar("slurm-cancelled").pattern
+_FILE_JOBID_RE = re.compile(r"(?:^slurm-(\d+)|[-_](\d+))\.(?:out|err)(?:\.gz)?$|^slurm-(\d+)")
+"""``slurm-NNN[.out]`` (sbatch's default) or ``name-NNN.out`` / ``name_NNN.err`` (``--output=name-%j.out``)."""
+_MEM_LABEL_RE = re.compile(r"mem", re.IGNORECASE)
+_MEM_VALUE_RE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?:GB|GiB|G)?\s*(?:/|$)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,6 +96,8 @@ class IterationRecord:
     """Fields read from the line (the most complete copy of a duplicated line wins)."""
     line: int = 0
     """1-based line number in the log, for messages."""
+    memory_mib: dict[str, float] = field(default_factory=dict)
+    """Memory fields of the line (:data:`~.grammars.MEMORY_FIELDS`) by :class:`MemoryRecord` attribute, in MiB."""
 
     @property
     def clean(self) -> bool:
@@ -126,8 +144,13 @@ class MegatronLog:
         return list(self.nodes.hosts) if self.nodes is not None and self.nodes.hosts is not None else None
 
     def peak(self, attr: str) -> float | None:
-        """Maximum of a :class:`MemoryRecord` attribute over every rank and report."""
+        """Maximum of a :class:`MemoryRecord` attribute over every rank and report.
+
+        Without any such report, the same figure from iteration lines' memory fields (ms-swift, Primus).
+        """
         values = [getattr(m, attr) for m in self.memory if getattr(m, attr) is not None]
+        if not values:
+            values = [r.memory_mib[attr] for r in self.iterations if attr in r.memory_mib]
         return max(values) if values else None
 
 
@@ -153,21 +176,49 @@ def _is_count(value: float) -> bool:
     return math.isfinite(value) and value >= 0 and value == int(value)
 
 
-def _iterations(line: str, lineno: int, pairs: list[int], odd_fields: list[str]) -> list[IterationRecord]:
+def _iterations(
+    line: str,
+    lineno: int,
+    pairs: list[int],
+    odd_fields: list[str],
+    *,
+    terminated: bool = True,
+    fallback: dict[str, float] | None = None,
+    unknown_memory: dict[str, None] | None = None,
+) -> list[IterationRecord]:
     """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average.
 
     A known field with no usable value (markup or U+FFFD glued to the number, a count that is
-    ``nan``, ``inf``, ``-1`` or ``2.5``) is dropped and named in ``odd_fields``.
+    ``nan``, ``inf``, ``-1`` or ``2.5``) is dropped and named in ``odd_fields``. A NeMo line's last
+    field (no closing ``|``) is read when the line is complete. ``fallback`` (Megatron-Bridge's
+    ``Step Time`` line) fills timing the line does not print; memory-like labels that are not in
+    :data:`MEMORY_FIELDS` are collected in ``unknown_memory``.
     """
     matches = list(_ITER_RE.finditer(line))
+    nemo_at = {nm.start(1) for nm in _NEMO_RE.finditer(line)} if "Training epoch" in line else set()
     out = []
     for k, m in enumerate(matches):
         end = matches[k + 1].start() if k + 1 < len(matches) else len(line)
         # Megatron ends every field with " |": the piece after the last "|" is cut or foreign.
+        pieces = line[m.end() : end].split("|")
+        if not (m.start() in nemo_at and terminated and k + 1 == len(matches)):
+            pieces = pieces[:-1]
         values: dict[str, float] = {}
-        for piece in line[m.end() : end].split("|")[:-1]:
+        memory: dict[str, float] = {}
+        for piece in pieces:
             fm = _FIELD_RE.match(piece)
-            if not fm or (spec := FIELDS.get(fm.group(1))) is None:
+            if not fm:
+                continue
+            label = fm.group(1)
+            if (mspec := MEMORY_FIELDS.get(label)) is not None:
+                if (vm := _MEM_VALUE_RE.match(fm.group(2))) is not None and math.isfinite(float(vm.group(1))):
+                    memory[mspec.attr] = float(vm.group(1)) * mspec.scale
+                else:
+                    odd_fields.append(f"line {lineno}: {label!r} is {fm.group(2)[:40]!r}")
+                continue
+            if (spec := FIELDS.get(label)) is None:
+                if unknown_memory is not None and _MEM_LABEL_RE.search(label) and len(unknown_memory) < 50:
+                    unknown_memory[label] = None
                 continue
             text = printed = fm.group(2)
             if "/" in text:  # ``current/average``: the window's own value is the current one
@@ -178,6 +229,8 @@ def _iterations(line: str, lineno: int, pairs: list[int], odd_fields: list[str])
                 odd_fields.append(f"line {lineno}: {spec.label!r} is {printed[:40]!r}")
             else:
                 values[spec.attr] = value * spec.scale
+        for attr, v in (fallback or {}).items():
+            values.setdefault(attr, v)
         if not any(a in values for a in TIMING_ATTRS):
             continue
         out.append(
@@ -190,8 +243,9 @@ def _iterations(line: str, lineno: int, pairs: list[int], odd_fields: list[str])
                 samples_per_s=values.get("samples_per_s"),
                 skipped=int(values.get("skipped", 0)),
                 nan=int(values.get("nan", 0)),
-                fields=len(values),
+                fields=len(values) + len(memory),
                 line=lineno,
+                memory_mib=memory,
             )
         )
     return out
@@ -244,9 +298,18 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     conflicts: set[int] = set()
     capture_pending = False
     pairs, odd_memory, odd_fields = [0], [], []
+    unknown_memory: dict[str, None] = {}
+    bridge: dict[str, float] | None = None  # Megatron-Bridge's Step Time line, for the next iteration line
     for i, line in enumerate(lines, start=1):
         terminated = i < len(lines) or not log.partial_last_line
-        records = _iterations(line, i, pairs, odd_fields) if "iteration" in line else []
+        records = (
+            _iterations(line, i, pairs, odd_fields, terminated=terminated, fallback=bridge,
+                        unknown_memory=unknown_memory)
+            if "iteration" in line
+            else []
+        )  # fmt: skip
+        if records:
+            bridge = None
         for rec in records:
             old = by_iteration.get(rec.iteration)
             if old is not None:
@@ -269,6 +332,16 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
                     odd_memory.append(i)
             elif found:
                 log.warnings.append(f"line {i}: memory report on the unterminated last line ignored")
+            continue
+        if "Step Time" in line and (bm := _BRIDGE_RE.search(line)):
+            bridge = {"elapsed_ms": float(bm.group(1)) * 1000.0, "tflops": float(bm.group(2))}
+            continue
+        if "CANCELLED" in line and (cm := _CANCEL_RE.search(line)):
+            why = " ".join(cm.group(4).split())
+            log.warnings.append(
+                f"line {i}: the job was cancelled at {cm.group(3)}{' ' + why.lower() if why else ''} "
+                "(slurmstepd): the run did not finish"
+            )
             continue
         if _CAPTURE_RE.search(line) and "validation" not in line.lower():
             capture_pending = True
@@ -308,28 +381,51 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
             f"{len(odd_fields)} iteration field(s) with no usable value ignored (a count must be a whole number"
             f" >= 0; first: {odd_fields[0]})"
         )
+    if unknown_memory:
+        log.warnings.append(
+            "memory field(s) on iteration lines not read (meaning unknown): "
+            + ", ".join(repr(x) for x in list(unknown_memory)[:8])
+        )
     if capture_pending:
         log.warnings.append("CUDA-graph capture message with no iteration logged after it")
     if log.job_id is None and (fm := _FILE_JOBID_RE.search(os.path.basename(source))):
-        log.job_id = fm.group(1)
+        log.job_id = next(g for g in fm.groups() if g)
     if not log.iterations:
         raise LogFormatError(f"{source}: no Megatron iteration lines: {describe_unknown(text)}")
     return log
 
 
 def _set_windows(log: MegatronLog) -> None:
-    """Each record's window: iterations since the previous logged one (the first: ``log_interval`` at most)."""
+    """Each record's window: the iterations its line averages over.
+
+    Megatron averages a line over the ``log_interval`` iterations before it, so a gap longer than
+    the interval (lines cut out of the log, ``[...]``, or lost) still weighs one interval. With
+    ``log_interval`` printed, windows are ``min(gap, log_interval)``; without it, the most common
+    gap stands in, and the longer gaps are named in a warning.
+    """
     ordered = sorted(log.iterations, key=lambda r: r.iteration)
     if not ordered:
         return
     gaps = [b.iteration - a.iteration for a, b in itertools.pairwise(ordered)]
     try:
         interval = int(log.args.get("log_interval", ""))
+        known = interval >= 1
     except ValueError:
-        interval = max(set(gaps), key=gaps.count) if gaps else 1
+        known = False
+    if not known:
+        interval = max(sorted(set(gaps)), key=gaps.count) if gaps else 1
+    interval = max(1, interval)
     ordered[0].window = max(1, min(ordered[0].iteration, interval))
+    long = 0
     for rec, gap in zip(ordered[1:], gaps, strict=True):
-        rec.window = max(1, gap)
+        rec.window = max(1, min(gap, interval))
+        long += gap > interval
+    if long:
+        src = f"log_interval is {interval}" if known else f"log_interval is not printed; the usual gap is {interval}"
+        log.warnings.append(
+            f"{long} iteration line(s) follow a gap longer than the logging interval (lines elided or lost; "
+            f"{src}): each weighs {interval} iteration(s), not its gap"
+        )
 
 
 def _read_text(p: Path) -> tuple[str, str | None]:

@@ -62,6 +62,7 @@ class FinalState:
     by_stream: dict[int, int] = field(default_factory=dict)  # stream -> active block bytes
     num_segments: int = 0
     expandable_segments: int = 0
+    pending_blocks: list[tuple[int, int, Any]] = field(default_factory=list)  # (requested, stream, frames)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,7 +181,16 @@ def _final_state(segments: list[Any], path: str, limits: Limits) -> dict[int, Fi
                 fs.allocated_requested += req
             else:
                 fs.pending_requested += req
+                fs.pending_blocks.append((req, stream, _block_frames(b)))
     return out
+
+
+def _block_frames(b: dict[str, Any]) -> Any:
+    """A block's alloc frames: ``frames`` (torch 2.1+), else the last ``history`` entry's (2.0)."""
+    frames = b.get("frames")
+    if not frames and isinstance(b.get("history"), list) and b["history"] and isinstance(b["history"][-1], dict):
+        frames = b["history"][-1].get("frames")
+    return frames if isinstance(frames, list) else None
 
 
 def _pool_key(seg: dict[str, Any], where: str, path: str) -> str:

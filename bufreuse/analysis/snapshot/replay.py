@@ -192,7 +192,8 @@ def _peak(active: np.ndarray, pending: np.ndarray, baseline: int) -> tuple[int, 
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
+    """``12.5 MiB``; below 1 MiB the bytes themselves (a small figure must not read as ``0.0 MiB``)."""
+    return f"{n / (1 << 20):,.1f} MiB" if abs(n) >= 1 << 20 else f"{n:,} B"
 
 
 def _immediate_frees(t: EventTable) -> np.ndarray:

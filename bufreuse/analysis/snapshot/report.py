@@ -11,7 +11,7 @@ Reading files (one or several, in worker processes) is :mod:`.batch`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,8 @@ import numpy as np
 from bufreuse.analysis.snapshot.load import EventTable, FinalState, SnapshotData
 from bufreuse.analysis.snapshot.replay import Replay, pending_blocks_at, replay
 from bufreuse.analysis.snapshot.schema import ALLOC, OOM
-from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, SiteRules
-from bufreuse.analysis.snapshot.validate import U64
+from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, UNKNOWN_SITE, SiteRules
+from bufreuse.analysis.snapshot.validate import MAX_FRAMES, U64
 
 __all__ = ["ReportConfig", "Timeline", "analyze"]
 
@@ -110,6 +110,14 @@ def _pending_by_site(
         timeline.pending_by_site = dict(zip(ps.sites, ps.bytes, strict=True))
 
 
+def _max_pending_in_trace(r: Replay) -> int:
+    """Most bytes pending free at once from frees requested in the trace (pending before it is apart)."""
+    if not len(r.pending):
+        return 0
+    own = r.pending if r.pending_before_trace is None else r.pending - r.pending_before_trace
+    return max(int(own.max()), 0)
+
+
 def _int_or_none(v: Any) -> int | None:
     """An optional figure from the file: kept when it is an int in ``[0, 2^64)``, else None."""
     return v if type(v) is int and 0 <= v < U64 else None
@@ -145,9 +153,15 @@ def _figures(
             "max_active_without_pending_before_trace_bytes": final_active,
             "max_active_without_pending_before_trace_event_index": None,
             "max_pending_free_bytes": final.pending_requested,
+            "pending_before_trace_bytes": 0,
             "reserved_at_max_active_bytes": final.reserved,
         }
         frees_without_alloc = completions_without_request = 0
+        groups = _final_pending_groups(final, rules)
+        for g in groups:
+            by_cat[g["category"]] = by_cat.get(g["category"], 0) + g["total_bytes"]
+            s = streams.setdefault(str(g["stream"]), {})
+            s["pending_free_at_max_active_bytes"] = s.get("pending_free_at_max_active_bytes", 0) + g["total_bytes"]
     else:
         ia, ir = r.max_active_index, r.max_reserved_index
         before_at = r.before_trace_at(ia)
@@ -167,7 +181,8 @@ def _figures(
             "max_active_depends_on_pending_before_trace": r.max_active_known_index != ia,
             "max_active_without_pending_before_trace_bytes": r.max_active_known,
             "max_active_without_pending_before_trace_event_index": r.max_active_known_index,
-            "max_pending_free_bytes": max(int(r.pending.max()), r.pending_baseline),
+            "max_pending_free_bytes": _max_pending_in_trace(r),
+            "pending_before_trace_bytes": r.pending_baseline,
             "reserved_at_max_active_bytes": _at(r.reserved, ia, r.reserved_baseline),
         }
         groups = _pending_groups(t, ia, rules)
@@ -225,12 +240,55 @@ def _pending_groups(t: EventTable, index: int, rules: SiteRules) -> list[dict[st
     record_stream waits that the trace can show (the report lists them apart).
     """
     groups: dict[tuple[str, int, int, str], int] = {}
+    name = _stack_namer(rules)
     for b in pending_blocks_at(t, index):
         if b.alloc_index >= 0:
-            frames = t.entries[b.alloc_index].get("frames")
-            key = (rules.site(frames), b.size, b.stream, rules.category(frames))
+            site, cat = name(t.entries[b.alloc_index].get("frames"))
+            key = (site, b.size, b.stream, cat)
         else:
             key = (BEFORE_TRACE_SITE, b.size, b.stream, "other")
+        groups[key] = groups.get(key, 0) + 1
+    out = [
+        {"site": s, "size_bytes": size, "count": c, "total_bytes": size * c, "stream": st, "category": cat}
+        for (s, size, st, cat), c in groups.items()
+    ]
+    out.sort(key=lambda g: (-g["total_bytes"], g["site"], g["size_bytes"]))
+    return out
+
+
+def _stack_namer(rules: SiteRules) -> Callable[[Any], tuple[str, str]]:
+    """``frames -> (site, category)`` as ``rules.site`` / ``rules.category`` give them, each distinct stack
+    named once (a queue of 10^5 blocks repeats the same few stacks; the key is the frames' text)."""
+    seen: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+    def name(frames: Any) -> tuple[str, str]:
+        if not isinstance(frames, list):
+            return UNKNOWN_SITE, "other"
+        try:
+            key = tuple(
+                (f.get("filename"), f.get("line"), f.get("name")) if isinstance(f, dict) else None
+                for f in frames[:MAX_FRAMES]
+            )
+            hit = seen.get(key)
+        except TypeError:  # an unhashable field (a list where a name belongs): name it uncached
+            return rules.site(frames), rules.category(frames)
+        if hit is None:
+            hit = seen[key] = (rules.site(frames), rules.category(frames))
+        return hit
+
+    return name
+
+
+def _final_pending_groups(final: FinalState, rules: SiteRules) -> list[dict[str, Any]]:
+    """The final state's pending-free blocks grouped as :func:`_pending_groups` does, from the blocks' own frames.
+
+    Without a trace the final state is the only point there is, so it stands for the max-active point.
+    """
+    groups: dict[tuple[str, int, int, str], int] = {}
+    name = _stack_namer(rules)
+    for size, stream, frames in final.pending_blocks:
+        site, cat = name(frames)
+        key = (site, size, stream, cat)
         groups[key] = groups.get(key, 0) + 1
     out = [
         {"site": s, "size_bytes": size, "count": c, "total_bytes": size * c, "stream": st, "category": cat}

@@ -4,9 +4,14 @@ Only the frames of a block's ``alloc`` entry are used (never those of its free),
 few blocks a report names, so the cost grows with the named blocks, not with the events.
 
 - site: the N-th "user" frame, ``path:line:function`` with the path cut to its last two parts;
-  frames from torch, the standard library, ``<frozen ...>`` and ``bufreuse/pool`` are skipped
-  (the ring's own allocation frames would hide who asked for it).
-- category: the first rule whose regex is found in any ``filename:name`` of the whole stack.
+  only Python frames can be one (a ``.py`` file, or an IPython cell, with a line above 0): the C++
+  frames torch records by default (``stacks="all"``: ``??``, ``memory_snapshot.cpp``,
+  ``CUDACachingAllocator.cpp``, empty names, line 0) never are, and Python frames from torch, the
+  standard library, ``<frozen ...>`` and ``bufreuse/pool`` are skipped (the ring's own allocation
+  frames would hide who asked for it). Windows paths (``torch\functional.py``) are read with ``/``.
+- category: the first rule whose regex is found in a ``filename:name`` line of the stack. The
+  built-in MoE rules read only the user Python frames (so ``at::indexing::dispatch_index`` or
+  ipykernel's ``dispatch_shell`` are not a dispatch buffer); user rules read every frame, C++ too.
 
 Frames come from an untrusted file: only the first ``MAX_FRAMES`` of a stack are read, fields that
 are not strings (or ints, for lines) read as ``?``, and long names are cut to ``MAX_TEXT``.
@@ -32,11 +37,16 @@ __all__ = [
 ]
 
 BUILTIN_CATEGORIES: dict[str, str] = {
-    "dispatch_output": r"token_dispatcher|hybrid_ep|fused_a2a|dispatch_with_permute|[:._]dispatch",
+    "dispatch_output": r"token_dispatcher|hybrid_ep|fused_a2a|dispatch_with_permute|:\w*dispatch(_tokens?)?$",
     "expert_output": r"grouped_linear|GroupedMLP|SequentialMLP|TEGroupedMLP|expert_fc2",
 }
-"""The two MoE buffers the rings replace (the shared contract; user rules come first)."""
+"""The two MoE buffers the rings replace (the shared contract; user rules come first).
 
+Matched line by line (``re.M``) on ``filename:name`` of user Python frames only: a function named
+``dispatch``, ``*_dispatch`` or ``*dispatch_tokens``, or a Megatron/TE MoE file or class."""
+
+_PY_FILE = re.compile(r"(\.pyw?$|^<ipython-input-)", re.I)
+_WIN_STDLIB = r"(?i:(^|/)python3\d*/lib/)(?!site-packages/)"  # C:/Python311/Lib/threading.py
 _STDLIB = re.escape(sysconfig.get_paths()["stdlib"].rstrip("/") + "/")
 DEFAULT_SITE_SKIP: tuple[str, ...] = (
     r"(^|/)torch/",  # torch internals (site-packages/torch/..., a source checkout's torch/...)
@@ -45,6 +55,7 @@ DEFAULT_SITE_SKIP: tuple[str, ...] = (
     _STDLIB + r"(?!site-packages/)",
     r"(^|/)bufreuse/pool(\.py$|/)",
     r"^\?\?$|^$",  # frames without a file
+    _WIN_STDLIB,
 )
 UNKNOWN_SITE = "<no user frame>"
 BEFORE_TRACE_SITE = "<alloc not in trace>"
@@ -61,18 +72,40 @@ class SiteRules:
     categories: Mapping[str, str] = field(default_factory=dict)
     """User rules ``name -> regex`` tried before the built-in ones (same name replaces a built-in)."""
     _skip: re.Pattern[str] = field(init=False, repr=False)
-    _cats: list[tuple[str, re.Pattern[str]]] = field(init=False, repr=False)
+    _cats: list[tuple[str, re.Pattern[str], bool]] = field(init=False, repr=False)  # name, regex, user rule
+    _moe: re.Pattern[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.site_frame < 0:
             raise ValueError(f"site_frame must be >= 0, got {self.site_frame}")
         self._skip = re.compile("|".join(f"(?:{p})" for p in (*DEFAULT_SITE_SKIP, *self.site_skip)))
-        merged = {**dict(self.categories), **{k: v for k, v in BUILTIN_CATEGORIES.items() if k not in self.categories}}
-        self._cats = [(name, re.compile(rx)) for name, rx in merged.items()]
+        self._cats = [(name, re.compile(rx, re.M), True) for name, rx in self.categories.items()]
+        self._cats += [
+            (name, re.compile(rx, re.M), False)
+            for name, rx in BUILTIN_CATEGORIES.items()
+            if name not in self.categories
+        ]
+        self._moe = re.compile("|".join(f"(?:{rx})" for rx in BUILTIN_CATEGORIES.values()), re.M)
 
     @property
     def category_names(self) -> list[str]:
-        return [name for name, _ in self._cats]
+        return [name for name, _, _ in self._cats]
+
+    def user_frame(self, f: Any) -> tuple[str, str, str] | None:
+        """``(path, line, name)`` of a frame that can be a site (a user Python frame), else None."""
+        if not isinstance(f, dict):
+            return None
+        filename = clean_text(f.get("filename"), "").replace("\\", "/")
+        line = f.get("line")
+        if not _PY_FILE.search(filename) or (type(line) is int and line <= 0) or self._skip.search(filename):
+            return None
+        line_text = str(line) if type(line) is int and 0 < line < U64 else "?"
+        return filename, line_text, clean_text(f.get("name"))
+
+    def is_moe_frame(self, f: Any) -> bool:
+        """A user Python frame that a built-in MoE rule matches (what a ring needs to be built from)."""
+        u = self.user_frame(f)
+        return u is not None and self._moe.search(f"{u[0]}:{u[2]}") is not None
 
     def site(self, frames: Any) -> str:
         """The configured user frame of ``frames`` (innermost first, as torch records them)."""
@@ -80,30 +113,29 @@ class SiteRules:
             return UNKNOWN_SITE
         k = self.site_frame
         for f in frames[:MAX_FRAMES]:
-            if not isinstance(f, dict):
-                continue
-            filename = clean_text(f.get("filename"), "")
-            if self._skip.search(filename):
+            u = self.user_frame(f)
+            if u is None:
                 continue
             if k == 0:
-                short = "/".join(filename.rsplit("/", 2)[-2:])
-                line = f.get("line")
-                line_text = str(line) if type(line) is int and 0 <= line < U64 else "?"
-                return f"{short}:{line_text}:{clean_text(f.get('name'))}"
+                return f"{'/'.join(u[0].rsplit('/', 2)[-2:])}:{u[1]}:{u[2]}"
             k -= 1
         return UNKNOWN_SITE
 
     def category(self, frames: Any) -> str:
-        """The first category whose regex matches any ``filename:name`` of the stack, else ``other``."""
+        """The first category whose regex matches a ``filename:name`` line, else ``other`` (module docstring)."""
         if not isinstance(frames, list):
             return "other"
-        text = "\n".join(
-            f"{clean_text(f.get('filename'), '')}:{clean_text(f.get('name'), '')}"
-            for f in frames[:MAX_FRAMES]
-            if isinstance(f, dict)
-        )
-        for name, rx in self._cats:
-            if rx.search(text):
+        every, python = [], []
+        for f in frames[:MAX_FRAMES]:
+            if not isinstance(f, dict):
+                continue
+            every.append(f"{clean_text(f.get('filename'), '').replace(chr(92), '/')}:{clean_text(f.get('name'), '')}")
+            u = self.user_frame(f)
+            if u is not None:
+                python.append(f"{u[0]}:{u[2]}")
+        text_all, text_py = "\n".join(every), "\n".join(python)
+        for name, rx, user in self._cats:
+            if rx.search(text_all if user else text_py):
                 return name
         return "other"
 

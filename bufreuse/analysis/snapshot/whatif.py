@@ -208,6 +208,13 @@ def what_if_data(
             raise InputError(
                 f"{data.path}: no allocation in the trace matches the sites ({wanted}); see snapshot-report"
             )
+        if not patterns:
+            no_moe = [r.name for r in rings if not r.moe_frame]
+            if no_moe:
+                raise InputError(
+                    f"{data.path}: category {', '.join(no_moe)} has no MoE frame (token_dispatcher, grouped_linear, "
+                    "...) in any of its stacks: no ring is built from it; name MoE sites with --site"
+                )
         pending: list[Any] = [control]
         for n in counts[1:]:
             short = [r for r in rings if r.min_slots > n]

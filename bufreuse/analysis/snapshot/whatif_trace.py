@@ -50,6 +50,7 @@ class RingSite:
     slot_bytes: int
     min_slots: int  # most of its blocks alive at once
     stream: int
+    moe_frame: bool = True  # some block's stack has an MoE Python frame (SiteRules.is_moe_frame)
 
 
 def device_segments(raw: Any, dev: int) -> list[dict[str, Any]]:
@@ -175,6 +176,8 @@ def classify_allocs(
     allocs = np.flatnonzero(t.action == ALLOC).tolist()
     group = np.full(len(t), -1, dtype=np.int64)
     by_site: list[dict[str, int]] = [{} for _ in names]
+    moe = [False] * len(names)
+    moe_by_id: dict[int, bool] = {}
     site_match: dict[str, int] = {}
     entries, sizes = t.entries, t.size
     k = rules.site_frame
@@ -196,6 +199,11 @@ def classify_allocs(
             group[i] = g
             d = by_site[g]
             d[site] = d.get(site, 0) + int(sizes[i])
+            if not moe[g]:
+                moe[g] = any(
+                    moe_by_id[id(f)] if id(f) in moe_by_id else moe_by_id.setdefault(id(f), rules.is_moe_frame(f))
+                    for f in frames
+                )
     owner = ops.owner
     ev_group = np.where(owner >= 0, group[np.maximum(owner, 0)], -1)
     rings: list[RingSite] = []
@@ -216,6 +224,7 @@ def classify_allocs(
                 slot_bytes=round_size(int(t.size[idx].max())),
                 min_slots=int(live.max()) if len(live) else 0,
                 stream=int(t.stream[idx[0]]),
+                moe_frame=moe[g],
             )
         )
     return remap[ev_group], rings

@@ -1,0 +1,51 @@
+"""`bufreuse advise SNAPSHOT [--config C | --args FILE]`: should the rings be turned on, and with which flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bufreuse.cli._common import console, handle_errors, json_option
+
+__all__ = ["register"]
+
+
+@handle_errors
+def advise(
+    snapshot: Annotated[Path, typer.Argument(help="A control allocator snapshot (record_stream run), ideally traced.")],
+    config: Annotated[Path | None, typer.Option("--config", help="The run's Megatron YAML config.")] = None,
+    args: Annotated[Path | None, typer.Option("--args", help="The run's Megatron command-line arguments file.")] = None,
+    num_microbatches: Annotated[
+        int | None, typer.Option(min=1, help="Microbatches per iteration, for the planner (else from the file).")
+    ] = None,
+    json_out: Annotated[bool, json_option("the advice")] = False,
+) -> None:
+    """One screen: MoE pending-free sites, required slot depth, predicted memory, unmet checks, flags to add."""
+    from bufreuse.analysis.advise import advise as run
+    from bufreuse.errors import InputError
+
+    if config is not None and args is not None:
+        raise InputError("pass --config or --args, not both")
+    file = config or args
+    fields = check = None
+    if file is not None:
+        from bufreuse.config import load_megatron_file
+        from bufreuse.integrations.check_file import check_file, megatron_fields
+
+        fields = megatron_fields(load_megatron_file(file))
+        check = check_file(file, assume_enabled=True).to_dict()
+    result = run(snapshot, fields=fields, check=check, num_microbatches=num_microbatches)
+    if json_out:
+        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+    else:
+        from bufreuse.analysis.render.advise import advice_renderable
+
+        console.print(advice_renderable(result))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``advise`` to ``app``."""
+    app.command("advise")(advise)
