@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -261,9 +262,14 @@ def _cut(text: str, n: int = 200) -> str:
 
 def _read_config_text(p: Path) -> str:
     """The file as text; refuses huge files, binary files and invalid UTF-8 with one :class:`InputError`."""
+    from bufreuse.fsutil import refuse_special_file
+
+    refuse_special_file(p, what="a Megatron config")  # open() of a FIFO waits for a writer forever
     try:
         with open(p, "rb") as f:
-            data = f.read(_MAX_CONFIG_BYTES + 1)
+            if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
+                raise InputError(f"{p}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, not a Megatron config")
+            data = f.read(_MAX_CONFIG_BYTES + 1)  # regular file: read() sizes its buffer by the file
     except OSError as e:
         raise InputError(f"cannot read {p}: {e.strerror or type(e).__name__}") from None
     if len(data) > _MAX_CONFIG_BYTES:
