@@ -72,6 +72,11 @@ class Limits:
     """Largest single shape option: tokens, hidden, FFN, sequence length, micro-batch size (16,777,216)."""
     max_ring_slots: int = 1024
     """Slots of one ring (``--slots``); the sweeps that pay off use 2 to 12."""
+    max_pipeline_stages: int = 512
+    """Pipeline stages, and virtual stages per rank, one schedule may have (``plan``, ``sweep --slots plan``)."""
+    max_schedule_steps: int = 65_536
+    """Microbatches x virtual stages ``plan`` simulates (each costs ~1.7 KB and ~0.1 ms; a global batch of
+    16,384 at micro-batch 1 and data-parallel 4 with VPP 16 is 65,536)."""
     max_buffer_bytes: int = 2**40
     """Bytes one ring or benchmark buffer set may come to (slots x rows x columns x element size; 1 TiB)."""
 
