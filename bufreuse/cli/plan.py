@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors, json_option
+from bufreuse.cli._common import console, handle_errors, json_option, warn_unknown_flags
 from bufreuse.errors import CheckFailedError, InputError
 
 __all__ = ["planned_minimum", "register"]
@@ -69,6 +69,7 @@ def plan(
     from bufreuse.plan import plan_config
 
     fields = _fields(file)
+    warn_unknown_flags(file)
     if pp_rank >= int(fields.get("pipeline_model_parallel_size") or 1):
         raise InputError(
             f"--pp-rank {pp_rank}: the config has {fields.get('pipeline_model_parallel_size') or 1} stage(s)"
