@@ -42,8 +42,8 @@ ProgressFn = Callable[[int, int], None]
 """Called as ``progress(bytes_read, total_bytes)`` while a file loads."""
 
 
-class RefusedGlobalError(pickle.UnpicklingError):
-    """The pickle named a global (class or function); plain snapshot data never does."""
+class RefusedGlobalError(SnapshotFormatError, pickle.UnpicklingError):
+    """The pickle named a global (class or function); plain snapshot data never does (a refused snapshot)."""
 
 
 class SafeUnpickler(pickle.Unpickler):
