@@ -239,3 +239,13 @@ def test_snapshot_frame_fields_of_the_wrong_type_are_no_internal_error(tmp_path:
 
 def test_site_skip_error_names_the_option(work: Path) -> None:
     refused(["snapshot-report", str(SNAP), "--site-skip", "("], work, match="--site-skip '(': not a regular expression")
+
+
+def test_refused_command_with_mkdir_leaves_no_folder(tmp_path: Path, work: Path) -> None:
+    """--mkdir checks that the folders can be made; they appear only with the result (control: a good file)."""
+    bad = tmp_path / "empty.pickle"
+    bad.write_bytes(b"")
+    refused(["snapshot-report", str(bad), "--plot", "a/b/x.png", "--mkdir"], work, match="empty file")
+    good = run_cli(["snapshot-report", str(ROOT / "tests/data/snapshots/record_stream.pickle.gz"),
+                    "--plot", "a/b/x.png", "--mkdir"], work)  # fmt: skip
+    assert good.returncode == 0 and (work / "a/b/x.png").is_file(), good.stderr[-500:]

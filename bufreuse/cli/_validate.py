@@ -131,7 +131,8 @@ def check_sweeps_root(root: str | None, *, option: str = "--root", mkdir: bool =
 def check_output_file(path: Path | None, *, suffixes: tuple[str, ...], mkdir: bool, option: str) -> None:
     """Raise InputError unless ``path`` ends in one of ``suffixes`` and its folder exists (or ``mkdir``).
 
-    With ``mkdir`` the missing folders are created now, so a refused write happens before the work.
+    With ``mkdir`` the missing folders must be creatable (checked now, so a refused write happens before
+    the work); the writer creates them with the result, so a refused command leaves none behind.
     """
     if path is None:
         return
@@ -161,7 +162,10 @@ def _check_parent(parent: Path, *, mkdir: bool, option: str) -> None:
         raise OutputError(f"{option}: {parent} is a file, not a folder")
     if not mkdir:
         raise OutputError(f"{option}: folder {parent} does not exist; create it or pass --mkdir")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{option}: cannot create {parent} ({e.strerror or e})") from None
+    probe = parent  # nothing is created now: the writer makes the folders once there is a result to write
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"{option}: cannot create {parent} ({probe} is a file)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"{option}: cannot create {parent} (permission denied in {probe})")
