@@ -58,9 +58,9 @@ class Limits:
     gzip file + 64 MiB, at most 64 GiB (real snapshots compress 5-30x)."""
     max_blocks: int = 2_000_000
     """Segments plus blocks in one snapshot's final state."""
-    max_memory_bytes: int = 4 * 2**30
-    """Memory loading and analysing one snapshot may add, whatever its size (4 GiB: a 5M-entry trace fits);
-    a file that needs more is refused, so two commands at once cannot take a 24 GB machine."""
+    max_memory_bytes: int = 1536 * 2**20
+    """Memory loading and analysing one snapshot may add, whatever its size (1.5 GiB: a 1M-entry trace fits);
+    a file that needs more is refused (raise it for bigger recordings), so no hostile file can take the machine."""
     max_log_line_bytes: int = 1 * 2**20
     """Characters of one log line; a log with a longer line is refused (Megatron's longest, the argument
     dump, is tens of KiB)."""

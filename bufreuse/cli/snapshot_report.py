@@ -75,7 +75,7 @@ def snapshot_report(
     ] = None,
     max_blocks: Annotated[int | None, _budget("max-blocks", "segments plus blocks (default 2,000,000).")] = None,
     max_memory_bytes: Annotated[
-        int | None, _budget("max-memory-bytes", "memory loading and analysing one file may add (default 4 GiB).")
+        int | None, _budget("max-memory-bytes", "memory loading and analysing one file may add (default 1.5 GiB).")
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
