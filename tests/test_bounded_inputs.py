@@ -103,15 +103,27 @@ def test_compare_works_under_a_2_5_gb_address_space_limit(tmp_path: Path, gz: bo
     assert "TFLOP/s/GPU" in out.stdout
 
 
+_HWM = (
+    "import atexit, os\n"
+    "def _hwm():\n"
+    "    with open('/proc/self/status') as f:\n"
+    "        kb = next(line for line in f if line.startswith('VmHWM')).split()[1]\n"
+    "    with open(os.environ['BUFREUSE_TEST_HWM'], 'w') as out:\n"
+    "        out.write(kb)\n"
+    "atexit.register(_hwm)\n"
+)
+"""Writes the process's own peak RSS (``VmHWM``: per address space, so not the forking test process's)."""
+
+
 def _peak_rss_of(code: str, tmp_path: Path) -> tuple[int, str]:
-    script = f"import resource\n{code}\nprint('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    hwm = tmp_path / "hwm.txt"
     out = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-c", _HWM + code], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "BUFREUSE_TEST_HWM": str(hwm)},
         capture_output=True, text=True, timeout=120, preexec_fn=_limit_address_space,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-800:]
-    last = out.stdout.strip().splitlines()[-1].split()
-    return int(last[1]) * 1024, out.stdout
+    return int(hwm.read_text()) * 1024, out.stdout
 
 
 @pytest.mark.parametrize("gz", [False, True])
@@ -164,16 +176,17 @@ def _planted(tmp_path: Path, mb: int, seed: int) -> Path:
 
 
 def _measured_run(args: list[str], cwd: Path) -> tuple[int, str, int]:
-    """Exit code, output and peak RSS (bytes) of one CLI process (``os.wait4``, so only that process counts)."""
-    out_file = cwd.parent / f"{cwd.name}.out"
-    with open(out_file, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bufreuse", *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
-        )  # fmt: skip
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out_file.read_text(), usage.ru_maxrss * 1024
+    """Exit code, output and peak RSS (bytes, ``VmHWM`` of the CLI process itself) of one CLI run."""
+    hwm = cwd.parent / f"{cwd.name}.hwm"
+    code = (
+        _HWM
+        + "import sys, runpy\nsys.argv = ['bufreuse', *sys.argv[1:]]\nrunpy.run_module('bufreuse', run_name='__main__')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "BUFREUSE_TEST_HWM": str(hwm)},
+    )  # fmt: skip
+    return out.returncode, out.stdout + out.stderr, int(hwm.read_text()) * 1024
 
 
 def test_planted_snapshot_is_held_to_max_memory_bytes_not_its_size(tmp_path: Path) -> None:
