@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -184,8 +185,7 @@ def load_megatron_file(path: str | Path) -> dict[str, Any]:
     """
     p = Path(path)
     text = _read_config_text(p)
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
-    if p.suffix in (".yaml", ".yml") or not first.startswith("--"):
+    if _is_yaml(p, text):
         import yaml
 
         try:
@@ -262,9 +262,14 @@ def _cut(text: str, n: int = 200) -> str:
 
 def _read_config_text(p: Path) -> str:
     """The file as text; refuses huge files, binary files and invalid UTF-8 with one :class:`InputError`."""
+    from bufreuse.fsutil import refuse_special_file
+
+    refuse_special_file(p, what="a Megatron config")  # open() of a FIFO waits for a writer forever
     try:
         with open(p, "rb") as f:
-            data = f.read(_MAX_CONFIG_BYTES + 1)
+            if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
+                raise InputError(f"{p}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, not a Megatron config")
+            data = f.read(_MAX_CONFIG_BYTES + 1)  # regular file: read() sizes its buffer by the file
     except OSError as e:
         raise InputError(f"cannot read {p}: {e.strerror or type(e).__name__}") from None
     if len(data) > _MAX_CONFIG_BYTES:
@@ -282,6 +287,19 @@ def _no_alias_loader() -> type:
     import yaml
 
     class _NoAliasLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            """A key given twice is refused: YAML's 'the later wins' would silently drop a setting."""
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {_cut(str(key), 60)!r} (first at line {seen[key].line + 1})",
+                        key_node.start_mark,
+                    )  # fmt: skip
+                seen[key] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
+
         def compose_node(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.AliasEvent):
                 event = self.peek_event()
@@ -301,6 +319,28 @@ def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[str(k).replace("-", "_")] = v
     return out
+
+
+def unknown_flags(path: str | Path) -> list[str]:
+    """Flags of an args file that neither Megatron-LM (the version in :mod:`bufreuse.megatron_flags`)
+    nor bufreuse's knobs define: Megatron would refuse them, and the planner reads nothing from them.
+
+    Empty for a YAML config (its sections hold keys of other tools too). Raises like :func:`load_megatron_file`.
+    """
+    from bufreuse.megatron_flags import MEGATRON_FLAGS
+
+    p = Path(path)
+    text = _read_config_text(p)
+    if _is_yaml(p, text):
+        return []
+    ours = {f.name.replace("_", "-") for f in fields(BufReuseConfig)}
+    known = MEGATRON_FLAGS | ours
+    return [f"--{k.replace('_', '-')}" for k in _parse_args_text(text, p) if k.replace("_", "-") not in known]
+
+
+def _is_yaml(p: Path, text: str) -> bool:
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+    return p.suffix in (".yaml", ".yml") or not first.startswith("--")
 
 
 def _parse_args_text(text: str, path: Path) -> dict[str, Any]:

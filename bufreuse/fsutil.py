@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from bufreuse.errors import OutputError
+from bufreuse.errors import InputError, OutputError
 
 __all__ = [
     "atomic_write_bytes",
@@ -28,6 +28,8 @@ __all__ = [
     "atomic_writer",
     "current_umask",
     "read_json",
+    "refuse_special_file",
+    "special_kind",
 ]
 
 
@@ -100,6 +102,41 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def special_kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is if it is a FIFO, device or socket (links followed), else None (also if missing).
+
+    Uses ``stat``, which never blocks, where ``open`` of a FIFO waits for a writer forever.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return next((kind for test, kind in _SPECIAL if test(mode)), None)
+
+
+def refuse_special_file(
+    path: str | os.PathLike[str], *, error: type[InputError] = InputError, what: str = "a regular file"
+) -> None:
+    """Raise ``error`` if ``path`` is a FIFO, device or socket: call before opening anything to read."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise error(f"{path}: {kind}, not {what}; give a regular file")
+
+
+def read_json(path: str | os.PathLike[str], *, max_bytes: int = 256 << 20) -> Any:
+    """A JSON file's object; a FIFO/device/socket or a file over ``max_bytes`` raises InputError first."""
+    refuse_special_file(path, what="a JSON file")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise InputError(f"{path}: {size:,} bytes, over {max_bytes:,}; not a result file of this toolkit")
+        data = f.read()  # grows with the file: no buffer of the limit's size
+    return json.loads(data)

@@ -59,9 +59,8 @@ class Limits:
     max_blocks: int = 2_000_000
     """Segments plus blocks in one snapshot's final state."""
     max_memory_bytes: int = 1536 * 2**20
-    """Memory loading and analysing one snapshot may add (1.5 GiB; the floor for any file)."""
-    memory_per_file_byte: int = 40
-    """Memory allowed per byte of (decompressed) snapshot above the floor: big real files need it."""
+    """Memory loading and analysing one snapshot may add, whatever its size (1.5 GiB: a 1M-entry trace fits);
+    a file that needs more is refused (raise it for bigger recordings), so no hostile file can take the machine."""
     max_log_line_bytes: int = 1 * 2**20
     """Characters of one log line; a log with a longer line is refused (Megatron's longest, the argument
     dump, is tens of KiB)."""
@@ -73,6 +72,11 @@ class Limits:
     """Largest single shape option: tokens, hidden, FFN, sequence length, micro-batch size (16,777,216)."""
     max_ring_slots: int = 1024
     """Slots of one ring (``--slots``); the sweeps that pay off use 2 to 12."""
+    max_pipeline_stages: int = 512
+    """Pipeline stages, and virtual stages per rank, one schedule may have (``plan``, ``sweep --slots plan``)."""
+    max_schedule_steps: int = 65_536
+    """Microbatches x virtual stages ``plan`` simulates (each costs ~1.7 KB and ~0.1 ms; a global batch of
+    16,384 at micro-batch 1 and data-parallel 4 with VPP 16 is 65,536)."""
     max_buffer_bytes: int = 2**40
     """Bytes one ring or benchmark buffer set may come to (slots x rows x columns x element size; 1 TiB)."""
 

@@ -18,6 +18,7 @@ This module imports no torch: ``analysis`` and ``cli`` read sweeps without a GPU
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "blank_metrics",
     "check_config_id",
     "latest_sweep",
+    "metrics_problem",
     "sweeps_root",
     "utc_now",
 ]
@@ -64,6 +66,48 @@ METRIC_FIGURES: dict[str, Any] = {
 Besides these, every ``metrics.json`` has ``status``, ``error``, ``config``, ``env``,
 ``started_at`` and ``finished_at`` (see :func:`blank_metrics`).
 """
+
+
+_SIZE_FIELDS = ("max_reserved_bytes", "max_allocated_bytes", "device_used_bytes", "pending_free_at_max_active_bytes")
+_STEP_FIELDS = ("median", "mean", "p10", "p90", "min", "max")
+
+
+def metrics_problem(m: dict[str, Any]) -> str | None:
+    """What makes ``m``'s figures no measurement (a size that is negative, NaN or not a whole number,
+    a negative or non-finite step time or TFLOP/s); None when every figure is absent or plausible."""
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    for key in _SIZE_FIELDS:
+        v = m.get(key)
+        if v is not None and not (number(v) and float(v).is_integer()):
+            return f"{key} is {_shown(v)}, not a size in bytes (a whole number >= 0)"
+    if m.get("tflops") is not None and not number(m["tflops"]):
+        return f"tflops is {_shown(m['tflops'])}, not a number >= 0"
+    step = m.get("step_ms")
+    if step is not None:
+        if not isinstance(step, dict):
+            return None  # a wrong shape is the reader's error (it names the field), not a value refused here
+        for key in _STEP_FIELDS:
+            if step.get(key) is not None and not number(step[key]):
+                return f"step_ms.{key} is {_shown(step[key])}, not a time in ms >= 0"
+        values = step.get("values")
+        if isinstance(values, list) and not all(number(v) for v in values):
+            return "step_ms.values is not a list of times in ms >= 0"
+    for key in ("ring_bytes", "ring_slot_bytes"):
+        table = m.get(key)
+        if not isinstance(table, dict):
+            continue
+        bad = next((k for k, v in table.items() if not (number(v) and float(v).is_integer())), None)
+        if bad is not None:
+            return f"{key}[{_shown(bad)}] is {_shown(table[bad])}, not a size in bytes"
+    return None
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def utc_now() -> str:
@@ -131,12 +175,21 @@ class ConfigPaths:
         return self.folder.name
 
     def read_metrics(self) -> dict[str, Any] | None:
-        """The finished run's metrics, or None if it has not finished (or the file is unreadable)."""
+        """The finished run's metrics, or None if it has not finished (or the file is unreadable).
+
+        A file whose figures are no measurement (a negative or NaN size, say) comes back as a failed
+        run whose ``error`` names the file and the field: refused alone, the other runs still reported.
+        """
         try:
             data = read_json(self.metrics)
         except (OSError, ValueError):
             return None
-        return data if isinstance(data, dict) and data.get("status") in STATUSES else None
+        if not isinstance(data, dict) or data.get("status") not in STATUSES:
+            return None
+        problem = metrics_problem(data)
+        if problem:
+            return {**data, **METRIC_FIGURES, "status": "failed", "error": f"{self.metrics}: refused: {problem}"}
+        return data
 
     def is_finished(self) -> bool:
         return self.read_metrics() is not None

@@ -126,7 +126,7 @@ def test_limit_flag_raises_a_budget_for_one_run(tmp_path: Path) -> None:
     refused = runner.invoke(app, args)
     assert refused.exit_code == 2 and "max_dim" in refused.stderr and "--limit max-dim=N" in refused.stderr
     raised = runner.invoke(app, ["--limit", "max-dim=30000000", *args])
-    assert raised.exit_code == 2 and "--dry-run and --template apply to --launcher slurm only" in raised.stderr
+    assert raised.exit_code == 2 and "--dry-run: apply to --launcher slurm only" in raised.stderr
 
 
 def test_budget_error_names_budget_value_and_flag() -> None:

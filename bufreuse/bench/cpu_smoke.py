@@ -18,7 +18,7 @@ import socket
 import time
 from typing import Any
 
-from bufreuse.errors import InputError
+from bufreuse.errors import InputError, JobFailedError
 from bufreuse.sweepdir import ConfigPaths
 
 __all__ = ["DEFAULT_ITERATIONS", "CpuSmokeFailure", "run_configuration", "slurm_environment"]
@@ -27,8 +27,8 @@ DEFAULT_ITERATIONS = 20_000
 """SHA-256 rounds per step when the configuration does not say (~20 ms on one core)."""
 
 
-class CpuSmokeFailure(RuntimeError):
-    """Raised on purpose when the configuration has ``fail: true``."""
+class CpuSmokeFailure(JobFailedError):
+    """Raised on purpose when the configuration has ``fail: true`` (a failed run: exit code 1)."""
 
 
 def slurm_environment() -> dict[str, Any]:

@@ -94,6 +94,31 @@ def print_error(message: str, *, label: str = "error") -> None:
     err_console.print(f"[bold red]{label}:[/] {escape(_one_line(message))}", soft_wrap=True, highlight=False)
 
 
+def warn_unknown_flags(file: str | os.PathLike[str]) -> None:
+    """Print one ``warning:`` line naming an args file's flags that Megatron-LM would refuse (none: nothing)."""
+    import difflib
+
+    from bufreuse.config import unknown_flags
+    from bufreuse.megatron_flags import MEGATRON_CORE_VERSION, MEGATRON_FLAGS
+
+    unknown = unknown_flags(file)
+    if not unknown:
+        return
+    shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    from dataclasses import fields
+
+    from bufreuse.config import BufReuseConfig
+
+    knobs = {f.name.replace("_", "-") for f in fields(BufReuseConfig)}
+    close = next((m for u in unknown if (m := difflib.get_close_matches(u[2:], MEGATRON_FLAGS | knobs, n=1))), [])
+    hint = f" (did you mean --{close[0]}?)" if close else ""
+    print_error(
+        f"{file}: {shown}: not Megatron-LM arguments (megatron-core {MEGATRON_CORE_VERSION}) nor bufreuse knobs; "
+        f"Megatron would refuse them and nothing here reads them{hint}",
+        label="warning",
+    )
+
+
 def report_exception(e: BaseException) -> int:
     """Print ``e`` as one line on stderr and return its exit code (2 bad input, 1 failed check or bug)."""
     if isinstance(e, BufreuseError):

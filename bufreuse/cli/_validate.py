@@ -101,10 +101,12 @@ def _check_text_file(path: Path) -> None:
         raise typer.BadParameter(f"{path}: not UTF-8 text (byte {e.start}); a UTF-8 text file expected") from None
 
 
-def check_sweeps_root(root: str | None, *, option: str = "--root") -> None:
+def check_sweeps_root(root: str | None, *, option: str = "--root", mkdir: bool = True) -> None:
     """Raise InputError unless ``root`` is (or can be created as) a folder this process can write.
 
+    The root itself may be created; its missing parent folders only with ``mkdir`` (``--mkdir``).
     Probes with a real temporary folder, because permission bits lie for root and for ``/proc``.
+    Creates nothing that stays.
     """
     if root is None:
         return
@@ -112,10 +114,12 @@ def check_sweeps_root(root: str | None, *, option: str = "--root") -> None:
     if path.exists() and not path.is_dir():
         raise InputError(f"{option} {root}: is a file; give a folder for the sweeps")
     probe = path
-    while not probe.exists():
+    while not probe.exists() and not probe.is_symlink():
         probe = probe.parent
     if not probe.is_dir():
         raise InputError(f"{option} {root}: {probe} is a file; give a folder for the sweeps")
+    if not mkdir and probe != path and probe != path.parent:
+        raise InputError(f"{option} {root}: folder {path.parent} does not exist; create it or pass --mkdir")
     try:
         made = tempfile.mkdtemp(prefix=".bufreuse-probe-", dir=probe)
     except OSError as e:
@@ -127,7 +131,8 @@ def check_sweeps_root(root: str | None, *, option: str = "--root") -> None:
 def check_output_file(path: Path | None, *, suffixes: tuple[str, ...], mkdir: bool, option: str) -> None:
     """Raise InputError unless ``path`` ends in one of ``suffixes`` and its folder exists (or ``mkdir``).
 
-    With ``mkdir`` the missing folders are created now, so a refused write happens before the work.
+    With ``mkdir`` the missing folders must be creatable (checked now, so a refused write happens before
+    the work); the writer creates them with the result, so a refused command leaves none behind.
     """
     if path is None:
         return
@@ -157,7 +162,10 @@ def _check_parent(parent: Path, *, mkdir: bool, option: str) -> None:
         raise OutputError(f"{option}: {parent} is a file, not a folder")
     if not mkdir:
         raise OutputError(f"{option}: folder {parent} does not exist; create it or pass --mkdir")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{option}: cannot create {parent} ({e.strerror or e})") from None
+    probe = parent  # nothing is created now: the writer makes the folders once there is a result to write
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"{option}: cannot create {parent} ({probe} is a file)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"{option}: cannot create {parent} (permission denied in {probe})")

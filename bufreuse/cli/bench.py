@@ -225,7 +225,8 @@ def _render(result: dict[str, Any]) -> None:
         console.print(f"[yellow]note:[/] {result['note']}")
     verdict = "[green]meets[/]" if result["meets_target"] else "[red]misses[/]"
     console.print(
-        f"pool ring / baseline = {result['pool_ratio']:.2f} (ring alone {result['ring_ratio']:.2f}); "
+        f"{escape(result['pool_ratio_row'])} / baseline = {result['pool_ratio']:.2f} "
+        f"(BufferRing.acquire + release / baseline = {result['ring_ratio']:.2f}); "
         f"{verdict} the target ≤ {result['target_ratio']}"
     )
     for name, probe in (result.get("external_events") or {}).items():

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors
+from bufreuse.cli._common import console, handle_errors, warn_unknown_flags
 from bufreuse.cli._validate import dim
 
 __all__ = ["register"]
@@ -37,6 +37,7 @@ def check_config(
     """Check every requirement of the enabled buffers; exit 1 if the feature cannot be enabled, 2 on bad input."""
     from bufreuse.integrations.check_file import check_file
 
+    warn_unknown_flags(file)
     report = check_file(file, assume_enabled=assume_enabled, seq_length=seq_length, micro_batch_size=micro_batch_size)
     data = report.to_dict()
     if not data["enabled"]:

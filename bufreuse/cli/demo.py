@@ -54,6 +54,7 @@ def demo(
     from bufreuse.demo import default_examples_dir, run_demo
 
     source = _record_live(out) if live else (examples or default_examples_dir())
+    _check_examples(Path(source))
     with err_console.status("demo") as status:
         result = run_demo(source, out, step=lambda msg: status.update(f"demo: {msg}"))
     console.print(
@@ -62,6 +63,16 @@ def demo(
     for line in result.summary:
         console.print(f"  {escape(line)}", soft_wrap=True)
     console.print(f"wrote {len(result.files)} files into {escape(str(result.out))}/", soft_wrap=True)
+
+
+def _check_examples(source: Path) -> None:
+    """Read every sweep's manifest (and its configuration ids) first: a broken one refuses the demo before
+    any table or plot is written, instead of after the snapshot reports."""
+    from bufreuse.demo import find_sweeps
+
+    for sweep in find_sweeps(source):
+        for cid in sweep.config_ids():
+            sweep.paths(cid)
 
 
 def register(app: typer.Typer) -> None:

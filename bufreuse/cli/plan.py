@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors, json_option
+from bufreuse.cli._common import console, handle_errors, json_option, warn_unknown_flags
 from bufreuse.errors import CheckFailedError, InputError
 
 __all__ = ["planned_minimum", "register"]
@@ -24,8 +24,18 @@ def _fields(file: Path | str) -> dict[str, Any]:
 def planned_minimum(file: Path | str) -> int:
     """The largest planned minimum over the ring buffers of ``file`` (what ``sweep --slots plan`` means)."""
     from bufreuse.plan import plan_config
+    from bufreuse.plan.report import batch_microbatches
 
     fields = _fields(file)
+    m = batch_microbatches(
+        fields.get("num_microbatches"), global_batch=fields.get("global_batch_size"),
+        micro_batch=fields.get("micro_batch_size"), data_parallel=fields.get("data_parallel_size"),
+    )  # fmt: skip
+    if m is None:  # plan_config's own message names plan's options, which sweep does not take
+        raise InputError(
+            f"{file}: the number of microbatches is unknown; set num_microbatches, or global_batch_size, "
+            "micro_batch_size and data_parallel_size, in the file"
+        )
     report = plan_config(fields, assume_enabled=True)
     refused = [b for b in report.buffers if b.minimum is None]
     if refused:
@@ -59,6 +69,7 @@ def plan(
     from bufreuse.plan import plan_config
 
     fields = _fields(file)
+    warn_unknown_flags(file)
     if pp_rank >= int(fields.get("pipeline_model_parallel_size") or 1):
         raise InputError(
             f"--pp-rank {pp_rank}: the config has {fields.get('pipeline_model_parallel_size') or 1} stage(s)"

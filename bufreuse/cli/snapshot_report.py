@@ -75,7 +75,7 @@ def snapshot_report(
     ] = None,
     max_blocks: Annotated[int | None, _budget("max-blocks", "segments plus blocks (default 2,000,000).")] = None,
     max_memory_bytes: Annotated[
-        int | None, _budget("max-memory-bytes", "memory one file may add (default 1.5 GiB, or 40 per file byte).")
+        int | None, _budget("max-memory-bytes", "memory loading and analysing one file may add (default 1.5 GiB).")
     ] = None,
 ) -> None:
     """Report allocator snapshots: max reserved, max active and the pending-free queue there, by site."""
@@ -92,6 +92,11 @@ def snapshot_report(
     }
     in_force = limits.current().replace(**{k: v for k, v in raised.items() if v is not None})
 
+    for pattern in site_skip or ():  # one pattern at a time, so the message names the option and the pattern
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise InputError(f"--site-skip {pattern!r}: not a regular expression ({e})") from None
     try:
         cats = parse_category_options(category or [])
         config = ReportConfig(

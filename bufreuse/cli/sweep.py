@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Any
 
 import typer
@@ -12,6 +13,7 @@ from bufreuse.cli._common import console, err_console, handle_errors, json_optio
 from bufreuse.cli._validate import check_sweeps_root, dim, finite, text_file, text_file_or
 from bufreuse.errors import CheckFailedError, InputError, JobFailedError
 from bufreuse.launch.sweep import DEFAULT_PARAMS as _D
+from bufreuse.sweepdir import SWEEPS_ENV
 
 __all__ = ["register"]
 
@@ -48,6 +50,9 @@ def register(app: typer.Typer) -> None:
         cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Capture the step and time replays.")] = False,
         name: Annotated[str | None, typer.Option(help="Sweep name (default: a hash of the parameters).")] = None,
         root: Annotated[str | None, root_option()] = None,
+        mkdir: Annotated[
+            bool, typer.Option("--mkdir", help="Create the sweeps root's missing parent folders.")
+        ] = False,
         force: Annotated[bool, typer.Option("--force", help="Rerun configurations that already finished.")] = False,
         timeout: Annotated[
             float,
@@ -163,6 +168,19 @@ def register(app: typer.Typer) -> None:
 
         Re-running the same command skips finished configurations (--force reruns them).
         """
+        slurm_given = {
+            "--slurm-site": slurm_site, "--slurm-partition": slurm_partition, "--slurm-account": slurm_account,
+            "--slurm-qos": slurm_qos, "--slurm-time": slurm_time, "--slurm-nodes": slurm_nodes,
+            "--slurm-gpus-per-node": slurm_gpus_per_node, "--slurm-cpus-per-task": slurm_cpus_per_task,
+            "--slurm-exclusive": slurm_exclusive or None, "--slurm-container-image": slurm_container_image,
+            "--slurm-container-mounts": slurm_container_mounts, "--slurm-venv": slurm_venv,
+            "--slurm-python": slurm_python, "--slurm-extra": slurm_extra, "--slurm-env": slurm_env,
+            "--no-wait": no_wait or None, "--dry-run": dry_run or None, "--template": template,
+        }  # fmt: skip
+        _check_conflicts(
+            status_dir=status_dir, cancel_dir=cancel_dir, launcher=launcher, workload=workload,
+            megatron_args=megatron_args, slurm_given=[k for k, v in slurm_given.items() if v is not None],
+        )  # fmt: skip
         if status_dir or cancel_dir:  # --status / --cancel DIR: nothing is run
             from bufreuse.cli import _slurm
 
@@ -205,7 +223,9 @@ def register(app: typer.Typer) -> None:
             force=force,
         )
         spec.validate()  # bad options: one error line before any progress bar is drawn
-        check_sweeps_root(root)
+        check_sweeps_root(root, mkdir=mkdir)
+        if root is None:  # the variable stands for --root and is checked like it
+            check_sweeps_root(os.environ.get(SWEEPS_ENV) or None, option=SWEEPS_ENV, mkdir=mkdir)
         # Launcher-specific options (the SLURM launcher adds its own here).
         launcher_options: dict[str, Any] = {}
         runner: Any = launcher
@@ -220,8 +240,6 @@ def register(app: typer.Typer) -> None:
                 python=slurm_python, extra=slurm_extra, env=slurm_env, template=template,
                 megatron_args=megatron_args, dry_run=dry_run,
             )  # fmt: skip
-        elif dry_run or template:
-            raise InputError("--dry-run and --template apply to --launcher slurm only")
         result = _run_with_progress(run_sweep, spec, runner, launcher_options)
         if launcher == "slurm":
             if dry_run:
@@ -263,6 +281,34 @@ def register(app: typer.Typer) -> None:
             raise JobFailedError(
                 f"{len(bad)} configuration(s) did not finish ok: {', '.join(bad)}; see log.txt in each folder"
             )
+
+
+_LAUNCHERS = ("local", "slurm")
+
+
+def _check_conflicts(
+    *,
+    status_dir: str | None,
+    cancel_dir: str | None,
+    launcher: str,
+    workload: str | None,
+    megatron_args: str | None,
+    slurm_given: list[str],
+) -> None:
+    """Refuse options that cannot go together, before anything is read, run or written.
+
+    Raises:
+        InputError: ``--status`` with ``--cancel``; SLURM-only options with another launcher;
+            ``--megatron-args`` with a workload other than ``megatron``.
+    """
+    if status_dir and cancel_dir:
+        raise InputError("--status and --cancel: give one (--status shows a sweep, --cancel stops it)")
+    if launcher not in _LAUNCHERS:
+        return  # the launcher registry names the choices (plugins included)
+    if launcher != "slurm" and slurm_given:
+        raise InputError(f"{', '.join(slurm_given)}: apply to --launcher slurm only (this sweep runs {launcher})")
+    if megatron_args is not None and (workload or "proxy") != "megatron":
+        raise InputError(f"--megatron-args applies to --workload megatron only (this sweep runs {workload or 'proxy'})")
 
 
 def _shape(help_text: str, key: str, *, lo: int = 1) -> Any:

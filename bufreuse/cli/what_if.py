@@ -17,28 +17,45 @@ __all__ = ["register"]
 
 
 def _slot_counts(text: str) -> list[int]:
+    """``--slots`` as numbers, each within the ``max_ring_slots`` budget (a huge count would overflow later)."""
+    from bufreuse import limits
     from bufreuse.errors import InputError
 
     try:
         counts = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise InputError(f"--slots must be comma-separated integers, got {text!r}") from None
+        raise InputError(f"--slots must be comma-separated integers, got {_short(text)!r}") from None
     if not counts or any(n < 1 for n in counts):
-        raise InputError(f"--slots must list slot counts >= 1 (0, the control, is always shown), got {text!r}")
+        raise InputError(f"--slots must list slot counts >= 1 (0, the control, is always shown), got {_short(text)!r}")
+    limits.check("max_ring_slots", max(counts), what="--slots: slots of one ring")
+    limits.check("max_ring_slots", len(counts), what="--slots: slot counts listed")
     return counts
 
 
-def _measured(options: list[str]) -> dict[int, str]:
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+def _measured(options: list[str], counts: list[int]) -> dict[int, str]:
+    """``--measured SLOTS=PATH`` options; SLOTS must be one of ``--slots`` (or 0, the control)."""
     from bufreuse.errors import InputError
+    from bufreuse.fsutil import refuse_special_file
 
     out: dict[int, str] = {}
     for opt in options:
         n, sep, path = opt.partition("=")
         if not sep or not n.strip().isdigit() or not path:
-            raise InputError(f"--measured must be SLOTS=PATH (a snapshot or metrics.json), got {opt!r}")
+            raise InputError(f"--measured must be SLOTS=PATH (a snapshot or metrics.json), got {_short(opt)!r}")
+        refuse_special_file(path, what="a snapshot or metrics.json")
         if not Path(path).is_file():
             raise InputError(f"--measured {opt}: no such file")
-        out[int(n)] = path
+        slots = int(n)
+        if slots != 0 and slots not in counts:
+            asked = ",".join(map(str, counts))
+            raise InputError(f"--measured {opt}: {slots} slot(s) is not predicted (--slots {asked}); add it to --slots")
+        if slots in out:
+            raise InputError(f"--measured {opt}: {slots} slot(s) given twice")
+        out[slots] = path
     return out
 
 
@@ -81,7 +98,7 @@ def what_if(
         raise InputError(f"bad --site/--category: {e}") from None
     result = run(
         snapshot, counts, sites=tuple(site or ()), categories=cats, site_frame=site_frame,
-        measured=_measured(measured or []),
+        measured=_measured(measured or [], counts),
     )  # fmt: skip
     if json_out:
         typer.echo(json.dumps(result.to_json(), allow_nan=False))

@@ -30,6 +30,7 @@ __all__ = [
     "SweepResult",
     "SweepSpec",
     "build_configs",
+    "config_problem",
     "default_name",
     "parse_int_list",
     "parse_slot_list",
@@ -173,6 +174,30 @@ def build_configs(spec: SweepSpec, *, world_size: int = 1) -> dict[str, dict[str
     return out
 
 
+def config_problem(config: dict[str, Any]) -> str | None:
+    """The first rule of the proxy workload that ``config`` breaks, in option words; None if it runs.
+
+    The proxy checks the same rules when it starts (``bufreuse.bench.proxy.ProxyConfig.validate``,
+    which needs torch); checking them here refuses a sweep before any process starts.
+    """
+    if config.get("workload", "proxy") != "proxy":
+        return None
+    tokens, topk, experts = int(config["tokens"]), int(config["topk"]), int(config["local_experts"])
+    world = int(config.get("world_size", 1))
+    if tokens % (topk * experts * world):
+        return (
+            f"--tokens {tokens} must be a multiple of topk x local experts x world size = "
+            f"{topk} x {experts} x {world} = {topk * experts * world}"
+        )
+    if config.get("device", "cuda") == "cpu" and (
+        float(config["comm_ms"]) > 0 or config.get("cuda_graph") or world > 1
+    ):
+        return "a CPU run needs --comm-ms 0, no --cuda-graph and world size 1"
+    if config.get("cuda_graph") and int(config["warmup_steps"]) < 1:
+        return "--cuda-graph needs --warmup-steps >= 1 (the capture follows an eager step)"
+    return None
+
+
 def default_name(spec: SweepSpec, world_size: int) -> str:
     key = {**DEFAULT_PARAMS, **spec.params, "buffers": sorted(spec.buffers), "world_size": world_size}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
@@ -199,6 +224,10 @@ def run_sweep(
         pick = getattr(runner, "default_world_size", None)
         world = int(pick()) if callable(pick) and spec.params.get("device", "cuda") == "cuda" else 1
     configs = build_configs(spec, world_size=world)
+    for cid, config in configs.items():  # refused here, before a folder is made or a process started
+        problem = config_problem(config)
+        if problem:
+            raise InputError(f"configuration {cid}: {problem}")
     sweep = SweepDir(sweeps_root(spec.root) / (spec.name or default_name(spec, world)))
     known: list[str] = []
     created = not sweep.folder.exists()

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bufreuse import limits
 from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch
 from bufreuse.errors import InputError
 from bufreuse.plan.depth import ALL_CHUNKS, closed_form, pending_at, ring_depths
@@ -162,6 +163,11 @@ def schedule_of(fields: Mapping[str, Any], *, microbatches: int, pp_rank: int = 
     if vpp is None and per_vstage:
         vpp = int(_get(fields, "num_layers", 0)) // max(1, pp * int(per_vstage))
     vpp = int(vpp or 1)
+    limits.check("max_pipeline_stages", pp, what="pipeline_model_parallel_size")
+    limits.check("max_pipeline_stages", vpp, what="virtual pipeline stages")
+    limits.check(
+        "max_schedule_steps", microbatches * vpp, what=f"schedule steps ({microbatches:,} microbatches x {vpp})"
+    )
     if bool(_get(fields, "overlap_moe_expert_parallel_comm", False)):
         kind = ScheduleKind.COMBINED
     elif pp == 1:
@@ -259,6 +265,30 @@ def plan_schedule(
     return plans
 
 
+def batch_microbatches(microbatches: Any, *, global_batch: Any, micro_batch: Any, data_parallel: Any) -> int | None:
+    """Microbatches per iteration: given, or global / (micro x DP); refuses what megatron would refuse.
+
+    Raises:
+        InputError: the global batch is not a multiple of micro x DP (megatron asserts it; flooring it
+            would plan another schedule), or a given count disagrees with global / (micro x DP).
+    """
+    derived = None
+    if global_batch and micro_batch and data_parallel:
+        per_step = int(micro_batch) * int(data_parallel)
+        if int(global_batch) % per_step:
+            raise InputError(
+                f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x data-parallel "
+                f"{data_parallel} = {per_step}"
+            )
+        derived = int(global_batch) // per_step
+    if microbatches is not None and derived is not None and int(microbatches) != derived:
+        raise InputError(
+            f"num_microbatches={microbatches} conflicts with global batch {global_batch} / (micro batch {micro_batch}"
+            f" x data-parallel {data_parallel}) = {derived}; give one or the other"
+        )
+    return int(microbatches) if microbatches is not None else derived
+
+
 def plan_config(
     fields: Mapping[str, Any],
     *,
@@ -293,16 +323,14 @@ def plan_config(
     seq = seq_length if seq_length is not None else _get(fields, "seq_length", None)
     mbs = micro_batch_size if micro_batch_size is not None else _get(fields, "micro_batch_size", None)
     m = num_microbatches if num_microbatches is not None else _get(fields, "num_microbatches", None)
+    gbs = global_batch_size if global_batch_size is not None else _get(fields, "global_batch_size", None)
+    dp = data_parallel_size if data_parallel_size is not None else _get(fields, "data_parallel_size", None)
+    m = batch_microbatches(m, global_batch=gbs, micro_batch=mbs, data_parallel=dp)
     if m is None:
-        gbs = global_batch_size if global_batch_size is not None else _get(fields, "global_batch_size", None)
-        dp = data_parallel_size if data_parallel_size is not None else _get(fields, "data_parallel_size", None)
-        if gbs and mbs and dp:
-            m = int(gbs) // (int(mbs) * int(dp))
-        else:
-            raise InputError(
-                "the number of microbatches is unknown: pass --num-microbatches, or --global-batch-size with "
-                "--micro-batch-size and --data-parallel-size"
-            )
+        raise InputError(
+            "the number of microbatches is unknown: pass --num-microbatches, or --global-batch-size with "
+            "--micro-batch-size and --data-parallel-size"
+        )
     if int(m) < 1:
         raise InputError(f"num_microbatches={m} (must be >= 1)")
     spec = schedule_of(fields, microbatches=int(m), pp_rank=pp_rank)

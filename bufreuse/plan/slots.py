@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 
+from bufreuse import limits
 from bufreuse.errors import InputError
 from bufreuse.plan.depth import ring_depths
 from bufreuse.plan.ops import COMM, COMPUTE, Acq, Op
@@ -49,7 +50,12 @@ def proxy_ops(microbatches: int, buffers: Iterable[str] = ("dispatch", "expert")
 
 
 def proxy_minimum(microbatches: int, buffers: Iterable[str] = ("dispatch", "expert")) -> int:
-    """Smallest slot count that runs the proxy with one count for every buffer in ``buffers``."""
+    """Smallest slot count that runs the proxy with one count for every buffer in ``buffers``.
+
+    Raises:
+        BudgetExceededError: ``microbatches`` over the ``max_schedule_steps`` budget (``sweep --slots plan``).
+    """
+    limits.check("max_schedule_steps", microbatches, what=f"schedule steps ({microbatches:,} proxy microbatches)")
     depths = ring_depths(proxy_ops(microbatches, buffers))
     return max((dep.peak for dep in depths.values()), default=1)
 

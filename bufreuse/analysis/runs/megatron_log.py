@@ -21,7 +21,6 @@ import itertools
 import math
 import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +33,9 @@ from bufreuse.analysis.runs.grammars import (
     grammar,
 )
 from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
-from bufreuse.analysis.runs.textfile import LogBudgetError, check, check_log_text
+from bufreuse.analysis.runs.textfile import read_log
 from bufreuse.errors import LogFormatError
-from bufreuse.limits import Limits, current
+from bufreuse.limits import Limits
 
 __all__ = [
     "MAX_LOG_BYTES",
@@ -428,51 +427,11 @@ def _set_windows(log: MegatronLog) -> None:
         )
 
 
-def _read_text(p: Path) -> tuple[str, str | None]:
-    """The file's text (gzip sniffed by its magic bytes, not its name) and a warning when cut short."""
-    limit = current().max_log_bytes
-    with p.open("rb") as f:
-        head = f.read(2)
-        f.seek(0)
-        if head != b"\x1f\x8b":
-            data = f.read(limit + 1)
-            check("max_log_bytes", len(data), what=f"{p}: bytes")
-            return data.decode("utf-8", errors="replace"), None
-        raw = f.read(limit + 1)
-    check("max_log_bytes", len(raw), what=f"{p}: gzip bytes")
-    out: list[bytes] = []
-    size, cut, buf = 0, None, raw
-    try:
-        while buf:
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)  # one gzip member (a file may concatenate several)
-            while not d.eof:
-                chunk = d.decompress(buf, 1 << 24)
-                buf = d.unconsumed_tail
-                size += len(chunk)
-                if size > limit:
-                    raise LogBudgetError(
-                        "max_log_bytes", value=f"more than {limit:,}", limit=limit, what=f"{p}: decompressed bytes"
-                    )
-                out.append(chunk)
-                if not chunk and not buf:
-                    cut = f"gzip stream ends early (a cut file): read the {size:,} bytes it holds"
-                    break
-            buf = d.unused_data if d.eof and d.unused_data[:2] == b"\x1f\x8b" else b""
-    except zlib.error as e:
-        if not size:
-            raise LogFormatError(f"{p}: corrupt gzip stream ({e})") from None
-        cut = f"gzip data corrupt after {size:,} bytes ({e}): read what came before"
-    if not size and cut:
-        raise LogFormatError(f"{p}: corrupt gzip stream ({cut})")
-    return b"".join(out).decode("utf-8", errors="replace"), cut
-
-
 def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
     """Read and parse one log file, plain or gzip'd (undecodable bytes replaced, never fatal)."""
     p = Path(path)
     try:
-        text, cut = _read_text(p)
-        check_log_text(p, text)
+        text, cut = read_log(p)  # streamed, bounded, FIFOs refused (textfile)
     except FileNotFoundError:
         raise LogFormatError(f"{p}: no such log file") from None
     except IsADirectoryError:

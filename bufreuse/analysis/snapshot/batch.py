@@ -100,20 +100,13 @@ def report_file(
             raise _memory_error(path, limits) from None
 
 
-def _file_bytes(path: str | os.PathLike[str]) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
-
 def _memory_for(path: str | os.PathLike[str], limits: Limits) -> Any:
-    """The memory limit for reading and analysing ``path`` (gzip files get ten times their bytes)."""
-    return memory_limit(memory_for(limits, _file_bytes(path) * 10))
+    """The memory limit for reading and analysing ``path``: ``max_memory_bytes``, whatever the file's size."""
+    return memory_limit(memory_for(limits))
 
 
 def _memory_error(path: str | os.PathLike[str], limits: Limits) -> SnapshotBudgetError:
-    limit = memory_for(limits, _file_bytes(path) * 10)
+    limit = memory_for(limits)
     return SnapshotBudgetError(
         "max_memory_bytes", value="needs more memory", limit=limit, what=f"{path}: analysing the snapshot"
     )

@@ -3,17 +3,18 @@
 A snapshot file is untrusted input: a few kilobytes of pickle can declare a gigabyte string, grow
 the unpickler's memo table to gigabytes, or repeat one shared trace entry thirty million times.
 Its budgets are fields of the project's one :class:`~bufreuse.limits.Limits` (``max_file_bytes``,
-``max_pickle_bytes``, ``max_trace_entries``, ``max_blocks``, ``max_memory_bytes``,
-``memory_per_file_byte``), with defaults that admit the largest real snapshots (torch's
-``_dump_snapshot`` of a 5M-entry trace, a 4 GB file), raised by ``--limit NAME=N`` or by
+``max_pickle_bytes``, ``max_trace_entries``, ``max_blocks``, ``max_memory_bytes``), with defaults
+that admit the largest real snapshots (torch's ``_dump_snapshot`` of a 5M-entry trace), raised
+by ``--limit NAME=N`` or by
 ``snapshot-report``'s shorthand flags (:data:`SHORTHANDS`). Past one the loader raises
 :class:`SnapshotBudgetError`: a :class:`~bufreuse.limits.BudgetExceededError` and a
 :class:`~bufreuse.errors.SnapshotFormatError` both (a refused budget is a refused snapshot).
 
 The C unpickler has no per-opcode hook (and a Python one would cost minutes on a 4 GB file), so
-objects and memo entries are bounded by memory rather than counted: while a file loads and is
-analysed, :func:`memory_limit` lowers the process's data-segment limit (``RLIMIT_DATA``, Linux) to
-what the process uses now plus the memory budget, turning any allocation bomb into a
+objects and memo entries are bounded by memory rather than counted: while a file loads, is
+normalised and is analysed (all the work on it, not only the unpickling), :func:`memory_limit`
+lowers the process's data-segment limit (``RLIMIT_DATA``, Linux) to what the process uses now plus
+the memory budget (``max_memory_bytes``, not scaled by the file's size), turning any allocation bomb into a
 ``MemoryError`` that the loader reports as that budget. The limit is restored on exit.
 """
 
@@ -69,9 +70,13 @@ def pickle_bytes_for(limits: Limits, file_bytes: int) -> int:
     return min(64 * _GiB, GZIP_EXPANSION * file_bytes + (64 << 20))
 
 
-def memory_for(limits: Limits, file_bytes: int) -> int:
-    """The memory budget for a file of ``file_bytes``: ``max_memory_bytes``, or more for big files."""
-    return max(limits.max_memory_bytes, limits.memory_per_file_byte * file_bytes)
+def memory_for(limits: Limits) -> int:
+    """The memory one snapshot may add: ``max_memory_bytes``, whatever the file's size.
+
+    Not scaled by the file: a big string planted in a file within the size budget can cost several
+    times its bytes once loaded (one wide character makes a string four bytes per character).
+    """
+    return limits.max_memory_bytes
 
 
 def _data_in_use() -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bufreuse.analysis.snapshot.budget import check
+from bufreuse.analysis.snapshot.budget import SnapshotBudgetError, check, memory_for, memory_limit
 from bufreuse.analysis.snapshot.schema import ACTIONS, ANNOTATION_ACTIONS, BLOCK_STATES, OTHER, STATE_ALIASES
 from bufreuse.analysis.snapshot.unpickle import ProgressFn, load_pickle_file
 from bufreuse.analysis.snapshot.validate import MAX_DEVICES, U64, check_uint, short
@@ -87,7 +87,16 @@ def load_snapshot(
             ``SnapshotFormatError`` too (names the budget and the flags).
     """
     limits = limits or current()
-    return normalise(load_pickle_file(path, progress=progress, limits=limits), path=str(path), limits=limits)
+    try:
+        with memory_limit(memory_for(limits)):  # loading and normalising both (nested caps keep the lower)
+            return normalise(load_pickle_file(path, progress=progress, limits=limits), path=str(path), limits=limits)
+    except MemoryError:
+        raise SnapshotBudgetError(
+            "max_memory_bytes",
+            value="needs more memory",
+            limit=memory_for(limits),
+            what=f"{path}: loading the snapshot",
+        ) from None
 
 
 def normalise(raw: Any, *, path: str = "<snapshot>", limits: Limits | None = None) -> SnapshotData:

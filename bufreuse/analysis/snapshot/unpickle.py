@@ -30,6 +30,7 @@ from typing import Any
 
 from bufreuse.analysis.snapshot.budget import SnapshotBudgetError, check, memory_for, memory_limit, pickle_bytes_for
 from bufreuse.errors import SnapshotFormatError
+from bufreuse.fsutil import refuse_special_file
 from bufreuse.limits import Limits, current
 
 __all__ = ["GZIP_MAGIC", "RefusedGlobalError", "SafeUnpickler", "load_pickle_file", "loads_restricted"]
@@ -41,8 +42,8 @@ ProgressFn = Callable[[int, int], None]
 """Called as ``progress(bytes_read, total_bytes)`` while a file loads."""
 
 
-class RefusedGlobalError(pickle.UnpicklingError):
-    """The pickle named a global (class or function); plain snapshot data never does."""
+class RefusedGlobalError(SnapshotFormatError, pickle.UnpicklingError):
+    """The pickle named a global (class or function); plain snapshot data never does (a refused snapshot)."""
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -163,6 +164,7 @@ def load_pickle_file(
     """
     limits = limits or current()
     path = Path(path)
+    refuse_special_file(path, error=SnapshotFormatError, what="an allocator snapshot")
     try:
         total = path.stat().st_size
         raw = open(path, "rb")  # noqa: SIM115 - closed below, wrapped in several layers
@@ -181,7 +183,7 @@ def load_pickle_file(
             src = _MeteredStream(src, limit=pickle_bytes_for(limits, total), end=None, where=str(path))
         else:
             src = _MeteredStream(src, limit=total, end=total, where=str(path))
-        memory = memory_for(limits, total * (10 if magic == GZIP_MAGIC else 1))
+        memory = memory_for(limits)
         try:
             with memory_limit(memory):
                 obj = SafeUnpickler(src).load()

@@ -262,6 +262,11 @@ def _site(frames: list[Any], site_of: Callable[[Any], str | None], k: int) -> st
     return UNKNOWN_SITE
 
 
+def _plain(v: Any) -> Any:
+    """A frame field as a cache key: a list or dict (a hostile file) is unhashable; sites show it as '?'."""
+    return v if v is None or type(v) in (str, int, float, bool) else f"<{type(v).__name__}>"
+
+
 def _frame_caches(rules: SiteRules, names: list[str]) -> tuple[Callable[[Any], str | None], Callable[[Any], int]]:
     """Per-frame lookups: its site (None for a skipped frame) and its category's index (len: none)."""
     single = SiteRules(site_skip=tuple(rules.site_skip), categories=rules.categories)
@@ -272,7 +277,7 @@ def _frame_caches(rules: SiteRules, names: list[str]) -> tuple[Callable[[Any], s
     by_text: dict[tuple[Any, Any, Any], tuple[str | None, int]] = {}
 
     def fill(f: Any) -> None:
-        key = (f.get("filename"), f.get("line"), f.get("name")) if isinstance(f, dict) else (None, None, None)
+        key = tuple(_plain(f.get(k)) for k in ("filename", "line", "name")) if isinstance(f, dict) else (None,) * 3
         hit = by_text.get(key)
         if hit is None:
             s = single.site([f]) if isinstance(f, dict) else UNKNOWN_SITE
