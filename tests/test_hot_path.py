@@ -247,3 +247,26 @@ def test_saved_hooks_push_pop_contract() -> None:
     assert len(seen) == n
     y.backward()
     assert torch.equal(w.grad, torch.full((3,), 2.0))
+
+
+def test_a_stage_called_by_keyword_is_still_tracked(parallel) -> None:
+    """``tracked`` looks at the first keyword when nothing is passed positionally (megatron passes positionally)."""
+    from bufreuse.integrations.core import Held, reads_live, tracked
+
+    pool = BufferPool("cpu")
+    pool.register("r", policy="ring", num_slots=2, max_shape=(4, 4), dtype=torch.float32)
+    slot = pool.acquire("r")
+    held = Held(pool, "r", slot)
+    w = torch.ones(4, 4, requires_grad=True)
+
+    def stage(hidden):
+        return hidden * w  # saves hidden (the slot) for w's gradient
+
+    hooked = tracked(pool, stage, reads_live(lambda: held))
+    y = hooked(hidden=slot)
+    assert pool.saved_references("r", slot) == 1
+    # positive control: a copy is not ring storage, nothing is counted
+    z = hooked(hidden=slot.clone())
+    assert pool.saved_references("r", slot) == 1
+    del y, z
+    assert pool.saved_references("r", slot) == 0

@@ -255,7 +255,7 @@ AUTO_START = 2
 def tracked(pool: BufferPool, fn: Callable[..., Any], reads: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
     """``fn`` run inside ``pool.track_saved()`` when it reads ring storage: what it saves from it is counted.
 
-    The hot path of every hooked stage. ``reads(first_argument)`` says whether this call receives a
+    The hot path of every hooked stage. ``reads(first argument)`` says whether this call receives a
     slot (:func:`reads_live`, or ``pool.views_ring_storage``); only then is the region entered (one
     push of the pool's prebuilt saved-tensor hooks), so a stage that receives a copy pays a pointer
     comparison. ``reads=None``: always. Nested in another region of the pool, entering costs nothing.
@@ -276,7 +276,9 @@ def tracked(pool: BufferPool, fn: Callable[..., Any], reads: Callable[[Any], boo
 
     @functools.wraps(fn)
     def when_read(*args: Any, **kwargs: Any) -> Any:
-        if args and reads(args[0]):
+        # megatron passes the hidden states first; by keyword, the first keyword is looked at instead
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if reads(first):
             with tracker:
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
