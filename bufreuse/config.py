@@ -63,6 +63,9 @@ class BufReuseConfig:
     """How the expert FC2 output is managed: ring | stream-ordered | record-stream (control)."""
     moe_bufreuse_auto_max_mib: int = 0
     """Memory cap per ``auto`` ring in MiB (its growth during warm-up stops there); 0: no cap."""
+    moe_bufreuse_ring_identity_dispatch: bool = False
+    """Validation aid: put an EP = 1 all-to-all dispatch (an identity upstream, so normally left alone) into
+    the dispatch ring anyway, one copy per call, to exercise the dispatch ring's hooks on one GPU."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -153,6 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="Memory cap per 'auto' ring in MiB (0: no cap).",
+    )
+    group.add_argument(
+        "--moe-bufreuse-ring-identity-dispatch",
+        action="store_true",
+        default=False,
+        help="Validation aid: ring the EP = 1 dispatch (an identity, normally left alone) to exercise its hooks.",
     )
     for buf in ("dispatch", "expert"):
         group.add_argument(
@@ -504,7 +513,7 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
             r += pad
             src += f"; + {pad} FP8/FP4 pad rows (TE grouped experts pad each local expert's split inside)"
         slots = knobs.slots(buf)
-        if buf == "dispatch" and identity_dispatch(cfg, path):
+        if buf == "dispatch" and identity_dispatch(cfg, path) and not knobs.moe_bufreuse_ring_identity_dispatch:
             slots, src = 0, src + "; not used: at EP = 1 the all-to-all returns its input (no ring registered)"
         out[buf] = BufferBound(
             buffer=buf,

@@ -101,10 +101,13 @@ def _vpp(slots: int) -> subprocess.CompletedProcess[str]:
                  "--global-batch-size", "8", "--num-layers", "4", "--num-experts", "1",
                  "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                  "--moe-hybridep-reuse-dispatch-output-buffers", "--moe-hybridep-num-dispatch-output-buffers",
-                 str(slots), "--moe-hybridep-num-expert-output-buffers", "0"])  # fmt: skip
+                 str(slots), "--moe-hybridep-num-expert-output-buffers", "0",
+                 "--moe-bufreuse-ring-identity-dispatch"])  # fmt: skip
 
 
 def test_entry_vpp_chunks_share_one_ring_sized_by_the_plan() -> None:
+    # At EP = 1 the dispatch ring is exercised through the validation knob (_vpp passes it): production
+    # leaves an identity dispatch alone (test_entry_says_the_ep1_dispatch_ring_is_not_used).
     # Rank 0 of p = 2, v = 2 (g = p): megatron's warm-up is 2 (p - 1) + (v - 1) g = 4 forwards, the steady
     # phase runs one more before the first backward, and every one holds its chunk's single MoE layer's slot
     # in the one ring both chunks share: 5. A pool per chunk would have needed min(m, 2g, w + 1) = 4 per ring.

@@ -14,12 +14,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
 from megatron_cpu import single_process_model_parallel  # noqa: E402
 
 from bufreuse.config import BufReuseConfig, load_megatron_file  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
 from bufreuse.integrations import planned as planned_mod  # noqa: E402
-from bufreuse.integrations.megatron import install  # noqa: E402
+from bufreuse.integrations.megatron import install as install_default  # noqa: E402
 from bufreuse.plan import plan_config  # noqa: E402
 from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
 
@@ -159,3 +160,13 @@ def test_auto_and_allocator_policies_are_not_refused(parallel):
     )
     with install(model, BufferPool("cpu"), knobs, tokens=TOKENS, num_microbatches=8) as inst:
         assert inst.layers == LAYERS
+
+
+def test_an_unused_ep1_dispatch_ring_is_not_planned_or_refused(parallel):
+    """At EP = 1 production registers no dispatch ring, so its slot count is not checked against the plan."""
+    model = _model()
+    with pytest.raises(ConfigError):  # positive control: the exercised dispatch ring is planned and refused
+        install(model, BufferPool("cpu"), _knobs(2), tokens=TOKENS, num_microbatches=8)
+    pool = BufferPool("cpu")
+    with install_default(model, pool, _knobs(2), tokens=TOKENS, num_microbatches=8) as inst:
+        assert "dispatch_output" in inst.unused and "dispatch_output" not in pool.names()

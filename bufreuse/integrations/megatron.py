@@ -23,7 +23,7 @@ import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from bufreuse.config import BufReuseConfig
+from bufreuse.config import BufReuseConfig, dispatch_path, identity_dispatch
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.core import (
     KNOBS,
@@ -80,7 +80,8 @@ def install(
         pp_rank: this rank's pipeline stage.
         ring_identity_dispatch: at EP = 1 the all-to-all dispatch returns its input and no dispatch
             ring is used (``Installation.unused`` says so); True copies it into the ring anyway, to
-            exercise the dispatch ring's hooks on one GPU (tests). Costs one copy per layer call.
+            exercise the dispatch ring's hooks on one GPU (tests); the knob
+            ``moe_bufreuse_ring_identity_dispatch`` does the same. Costs one copy per layer call.
 
     Returns:
         The installation; ``uninstall()`` it (or use it as a context manager) to restore the model.
@@ -103,6 +104,8 @@ def install(
         pp_rank=pp_rank,
         ring_identity_dispatch=ring_identity_dispatch,
     )
+    ring_identity_dispatch = ring_identity_dispatch or knobs.moe_bufreuse_ring_identity_dispatch
+    inst.ring_identity_dispatch = ring_identity_dispatch
     modules = model if isinstance(model, list) else [model]
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
     if any(_MARK in vars(m) for m in layers):
@@ -116,6 +119,10 @@ def install(
             "moe_flex_dispatcher_backend='hybridep')"
         )
     ring_slots = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
+    cfg0 = layers[0].config if layers else None
+    unused = cfg0 is not None and not ring_identity_dispatch and identity_dispatch(cfg0, dispatch_path(cfg0))
+    if unused and "dispatch" in ring_slots:
+        del ring_slots["dispatch"]  # EP = 1 all-to-all: no dispatch ring is registered, nothing to plan
     if layers and ring_slots:
         _refuse_scheduled_release(layers[0].config)
         chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
