@@ -8,11 +8,11 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from snapshot_synth import write
+from test_snapshot_sites import CNN, MEGATRON, NATIVE, SITE_PKG, f
 from typer.testing import CliRunner
 
 from bufreuse.cli.app import app
-from tests.snapshot_synth import write
-from tests.test_snapshot_sites import CNN, MEGATRON, NATIVE, SITE_PKG, f
 
 MiB = 1 << 20
 BLOCK = 32 * MiB  # above 10 MiB: the allocator gives each request its own segment, rounded to 2 MiB

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from snapshot_synth import block, entry, segment, write
 
 from bufreuse.analysis.snapshot import SiteRules, report_file
 from bufreuse.analysis.snapshot.whatif import what_if
 from bufreuse.errors import InputError
-from tests.snapshot_synth import block, entry, segment, write
 
 MiB = 1 << 20
 
