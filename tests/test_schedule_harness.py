@@ -229,3 +229,31 @@ def test_allocation_probes_count_by_the_megatron_site_not_by_bufreuse_names() ->
     assert expert_output_allocs(stacks) == 2  # the control's cat and the replacement's own allocation
     assert expert_output_allocs([stacks[1]]) == 0  # an expert MLP's FC1 output is not the expert output
     assert dispatch_stage_allocs(stacks) == 1 and layer_allocs(stacks) == 4
+
+
+def test_delayed_wgrad_fifo_stays_aligned_when_a_microbatch_holds_nothing(parallel, monkeypatch) -> None:
+    """One entry per forward: a microbatch whose slot needs no hold (no saved reference, e.g. no tokens on
+    this rank) must not make its ``backward_dw`` finish the next microbatch's hold."""
+    row = next(r for r in CPU_ROWS if r.name == "te-fake-e1-delay_wgrad_compute-1f1b_dw")
+    layer = build_layer(row)
+    xs = _inputs(row)
+    pool = BufferPool("cpu")
+    real = pool.saved_references
+    calls = {"n": 0}
+
+    def first_saves_nothing(name, tensor):
+        calls["n"] += 1
+        return 0 if calls["n"] == 1 else real(name, tensor)
+
+    with install(layer, pool, knobs_for(row), tokens=TOKENS):
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        monkeypatch.setattr(pool, "saved_references", first_saves_nothing)
+        outs = {i: _forward(layer, leaves[i], i) for i in (0, 1)}  # mb 0: no hold (faked), mb 1: held
+        monkeypatch.setattr(pool, "saved_references", real)
+        ring = pool.get("dispatch_output")
+        outs[0].sum().backward()
+        outs[1].sum().backward()
+        layer.backward_dw()  # mb 0's entry: nothing to finish; mb 1's slot must stay held
+        assert ring.held == 1, "backward_dw of microbatch 0 finished microbatch 1's hold"
+        layer.backward_dw()  # mb 1's entry: its hold is done, the slot is released
+        assert ring.held == 0

@@ -258,7 +258,7 @@ def tracked(pool: BufferPool, fn: Callable[..., Any], reads: Callable[[Any], boo
     The hot path of every hooked stage. ``reads(first argument)`` says whether this call receives a
     slot (:func:`reads_live`, or ``pool.views_ring_storage``); only then is the region entered (one
     push of the pool's prebuilt saved-tensor hooks), so a stage that receives a copy pays a pointer
-    comparison. ``reads=None``: always. Nested in another region of the pool, entering costs nothing.
+    comparison. ``reads=None``: always. A nested entry pushes the same hooks again (one C call).
     Releases (``Held.release``) then wait for exactly the saved references those regions made.
     """
     import functools

@@ -221,7 +221,7 @@ class BufferPool:
         What ``release_when_unsaved`` relies on; scope it to the code whose saved tensors may alias
         ring storage (the stages that read a slot). Saved-tensor hooks do not nest: an outer pair
         (activation offload) is inactive inside. The returned tracker is the pool's own, built once:
-        entering it costs one hook push, and a nested entry on the same thread costs nothing.
+        entering it costs one hook push (a nested entry pushes again, cheaply).
 
         Args:
             strict: also raise when an alias of a released slot is saved (default: debug mode).

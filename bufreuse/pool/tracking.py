@@ -204,7 +204,8 @@ class SavedTracker:
     The pack/unpack pair is built once (per pool and strictness), so entering a region costs one
     push of torch's default saved-tensor hooks (a C call). Regions nest (an inner one pushes the same
     pair again). ``regions`` counts the outermost entries on the calling path: what the
-    integration's "one region per layer call" is measured by.
+    integration's "one region per layer call" is measured by. The counters are shared by all threads
+    (the hooks themselves are per thread, as torch keeps them).
     """
 
     __slots__ = ("_depth", "_pop", "_push", "regions", "strict")

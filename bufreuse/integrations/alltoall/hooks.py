@@ -201,14 +201,19 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     def routed_experts_compute(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
         result = orig_compute(hidden, probs)
         held, state.dispatch = state.dispatch, None
+        hold = None
         if held is not None:
             # The experts read it directly. Whatever they saved from it (a bf16 GEMM's input,
             # probs * hidden under moe_apply_probs_on_input, TE's original input) was counted;
             # an FP8 GEMM saves its quantized copy and the release happens now. With delayed
             # wgrad, what FC1 saved goes on into TE's wgrad store: hold the slot until backward_dw.
             if state.wgrad is not None and pool.saved_references(DISPATCH, held.tensor):
-                state.wgrad.append(pool.hold(DISPATCH, held.tensor))
+                hold = pool.hold(DISPATCH, held.tensor)
             held.release()
+        if state.wgrad is not None and torch.is_grad_enabled():
+            # one entry per forward that will have a backward_dw (TE stores one per backward), a hold or
+            # None, so the FIFO stays aligned when a microbatch released early (a copy, or no tokens)
+            state.wgrad.append(hold)
         return result
 
     reads = reads_live(lambda: state.dispatch)
@@ -235,8 +240,9 @@ def hook_delayed_wgrad(inst: Installation, layer: Any) -> deque[Any] | None:
     when its backward runs, after autograd freed the saved reference that release-by-fact waits for;
     ``backward_dw()`` reads it later (in combined 1F1B after the next microbatch's dispatch, on
     ``_delayed_wgrad_stream`` under ``overlap_dispatch_backward_with_experts_wgrad``). The dispatch
-    hook takes a hold where the experts saved the slot; this override finishes them in order (TE's
-    store is a FIFO queue) on the stream ``backward_dw`` ran on. None when FC1 computes its wgrad in
+    hook queues one entry per grad-enabled forward (a hold where the experts saved the slot, else None);
+    this override takes them in order (TE's store is a FIFO queue, one entry per backward) and finishes a
+    hold on the stream ``backward_dw`` ran on. None when FC1 computes its wgrad in
     backward (nothing to hold).
     """
     from bufreuse.plan.rules import delayed_wgrad
@@ -250,7 +256,9 @@ def hook_delayed_wgrad(inst: Installation, layer: Any) -> deque[Any] | None:
     def backward_dw(*args: Any, **kwargs: Any) -> Any:
         result = orig(*args, **kwargs)
         if holds:
-            holds.popleft().done()  # FC1's wgrad read the slot on the current stream: released after it
+            hold = holds.popleft()  # this microbatch's entry (None: nothing was held for it)
+            if hold is not None:
+                hold.done()  # FC1's wgrad read the slot on the current stream: released after it
         return result
 
     inst.override(experts, "backward_dw", functools.wraps(orig)(backward_dw))
@@ -286,7 +294,7 @@ def hook_fc2_release(inst: Installation, layer: Any, queue: deque[Held]) -> None
     here and the TE adapter's grouped-MLP hooks.
     """
     disp, pool = layer.token_dispatcher, inst.pool
-    reads = reads_live(lambda: queue[0] if queue else None)
+    reads = pool.views_ring_storage  # any slot: robust to a front entry left stale by a forward that raised
     skip = passthrough_combine_stages(disp)
 
     def _after(name: str, stage: Callable[..., Any]) -> Callable[..., Any]:

@@ -203,8 +203,6 @@ def _cols(layer: Any) -> int:
 
 
 def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
-    from bufreuse.integrations.core import reads_live
-
     experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
     orig_combine = disp.token_combine
     held: deque[Held] = deque()
@@ -216,7 +214,7 @@ def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
         return out
 
     inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
-    inst.override(disp, "token_combine", tracked(pool, token_combine, reads_live(lambda: held[0] if held else None)))
+    inst.override(disp, "token_combine", tracked(pool, token_combine, pool.views_ring_storage))
 
 
 def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
