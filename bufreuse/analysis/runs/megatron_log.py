@@ -287,20 +287,32 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     Raises:
         LogFormatError: empty, or no iteration line (the message says what was looked for and found).
     """
+    return _parse([text], source=source)
+
+
+def _parse(box: list[str], *, source: str) -> MegatronLog:
+    """Parse the text ``box`` holds, taking it out of the box: once split into lines the text is dropped,
+    and each line once read, so a large log is held about once (not as text, cleaned text and lines)."""
     log = MegatronLog(source=source)
-    if not text.strip():
+    text = box.pop()
+    if not text or text.isspace():
         raise LogFormatError(f"{source}: empty log")
     text = clean_text(text)
-    lines = text.splitlines()
     log.partial_last_line = not text.endswith(("\n", "\r"))
+    head = text[:4096]  # for the "no iteration lines" message (binary data?)
+    lines: list[str | None] = text.splitlines()  # type: ignore[assignment]
+    del text
+    n_lines = len(lines)
+    unread: list[str] = []  # lines with no iteration record: what that message describes when none had one
     by_iteration: dict[int, IterationRecord] = {}
     conflicts: set[int] = set()
     capture_pending = False
     pairs, odd_memory, odd_fields = [0], [], []
     unknown_memory: dict[str, None] = {}
     bridge: dict[str, float] | None = None  # Megatron-Bridge's Step Time line, for the next iteration line
-    for i, line in enumerate(lines, start=1):
-        terminated = i < len(lines) or not log.partial_last_line
+    for i in range(1, n_lines + 1):
+        line, lines[i - 1] = lines[i - 1], None  # read once: the list holds no text behind the cursor
+        terminated = i < n_lines or not log.partial_last_line
         records = (
             _iterations(line, i, pairs, odd_fields, terminated=terminated, fallback=bridge,
                         unknown_memory=unknown_memory)
@@ -309,6 +321,8 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
         )  # fmt: skip
         if records:
             bridge = None
+        elif not by_iteration:
+            unread.append(line)
         for rec in records:
             old = by_iteration.get(rec.iteration)
             if old is not None:
@@ -390,7 +404,9 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
     if log.job_id is None and (fm := _FILE_JOBID_RE.search(os.path.basename(source))):
         log.job_id = next(g for g in fm.groups() if g)
     if not log.iterations:
-        raise LogFormatError(f"{source}: no Megatron iteration lines: {describe_unknown(text)}")
+        binary = "\x00" in head or head[:1] == "\ufffd"
+        what = describe_unknown(head if binary else "\n".join(unread))
+        raise LogFormatError(f"{source}: no Megatron iteration lines: {what}")
     return log
 
 
@@ -438,7 +454,9 @@ def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
         raise LogFormatError(f"{p}: is a folder, not a log file") from None
     except OSError as e:
         raise LogFormatError(f"{p}: cannot read ({e.strerror})") from None
-    log = parse_log_text(text, source=str(p))
+    box = [text]
+    del text  # _parse takes it out of the box: no second reference while the lines are parsed
+    log = _parse(box, source=str(p))
     if cut:
         log.warnings.insert(0, cut)
     return log
