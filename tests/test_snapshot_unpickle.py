@@ -57,7 +57,7 @@ def test_progress_reports_whole_file(tmp_path: Path) -> None:
     ("content", "problem"),
     [
         (b"", "empty file"),
-        (os.urandom(64) + b"\x00", "not a pickle"),
+        (b"\xff" + os.urandom(64) + b"\x00", "not a pickle"),  # 0xff is no pickle opcode (urandom alone sometimes was)
         (gzip.compress(pickle.dumps({"segments": [1] * 1000}))[:-30], "truncated or corrupt gzip"),
         (pickle.dumps({"segments": []})[:-3], "truncated pickle|not a pickle"),
         (b"\x1f\x8bnot really gzip", "gzip"),
