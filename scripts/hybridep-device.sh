@@ -8,6 +8,8 @@
 #                                             # into /tmp/site-deepep, then tests/test_hybridep_real_gpu.py
 #                                             # (what is left of TOTAL_TIMEOUT=570 s); logs under $OUT
 #   bash scripts/hybridep-device.sh build     # on the device: the build step alone
+#   bash scripts/hybridep-device.sh probe     # on the device, after build: scripts/hybridep_probe.py (where the
+#                                             # buffer's constructor dies, per variant, with native frames)
 #
 # Only the `hybrid_ep_cpp` extension is built (HybridEP needs no NVSHMEM; the classic `deep_ep_cpp` Buffer is
 # not built), for sm_90 only; the installed `deep_ep/__init__.py` is therefore ours: it imports HybridEPBuffer
@@ -156,9 +158,29 @@ EOF
   tail -3 "$log"
 }
 
+probe() {
+  device_env >/dev/null
+  export PYTHONPATH=$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}
+  local cc lib=/tmp/segv_backtrace.so
+  cc=$(command -v cc || command -v gcc || true)
+  if [ -n "$cc" ] && "$cc" -shared -fPIC -O1 -o "$lib" "$REPO/scripts/segv_backtrace.c"; then
+    echo "hybridep: native backtraces through $lib"
+  else
+    lib=""; echo "hybridep: no C compiler: the probe runs without native backtraces"
+  fi
+  echo "hybridep: addr2line $(command -v addr2line || echo 'not found'), gdb $(command -v gdb || echo 'not found')"
+  python3 "$REPO/scripts/hybridep_probe.py" ${lib:+--segv-lib "$lib"} --out "$OUT" 2>&1 | tee "$OUT/hybridep-probe.txt"
+}
+
 run() {
   local t_start=$SECONDS
   build || exit $?
+  probe
+  if [ ! -f "$OUT/hybridep-probe.env" ]; then
+    status "stopped: no variant of HybridEPBuffer(...) could be built at world size 1; see $OUT/hybridep-probe.txt"
+    exit 15
+  fi
+  set -a; source "$OUT/hybridep-probe.env"; set +a
   device_env >/dev/null
   mkdir -p /tmp/site-deepep-mc
   if compgen -G "$STAGE/whl/*.whl" >/dev/null && [ ! -d /tmp/site-deepep-mc/megatron ]; then
@@ -194,5 +216,6 @@ case ${1:-} in
   prepare) prepare ;;
   build) build ;;
   run) run ;;
+  probe) probe ;;
   *) sed -n '2,15p' "$0" >&2; exit 2 ;;
 esac

@@ -5,8 +5,8 @@
 #   OUT=out bash scripts/megatron-ab.sh --runs-only [FAMILY...]     # runs only (compare elsewhere later)
 #   OUT=out bash scripts/megatron-ab.sh --compare-only [FAMILY...]  # logs already in $OUT
 #   DRY_RUN=1 bash scripts/megatron-ab.sh [FAMILY...]  (or --dry-run): the order, commands and a wall-time estimate
-# FAMILY (examples/megatron-h200/run.sh): gb-te gb-te-graph gb-te-fp8 (GPU-bound shape), local te te-fp8 (tiny,
-# host-bound). Default: gb-te gb-te-graph.
+# FAMILY (examples/megatron-h200/run.sh): gb-te-pad gb-te-graph gb-te gb-te-fp8 (GPU-bound shape; -pad and -graph
+# at fixed shapes, rings at the planned depth), local te te-fp8 (tiny, host-bound). Default: gb-te-pad gb-te-graph.
 # Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
 # even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
 # iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed
@@ -44,7 +44,7 @@ case ${1:-} in
   --dry-run) mode=dry; shift ;;
 esac
 families=("$@")
-[ ${#families[@]} -eq 0 ] && families=(gb-te gb-te-graph)
+[ ${#families[@]} -eq 0 ] && families=(gb-te-pad gb-te-graph)
 bufreuse() { python3 -m bufreuse "$@"; }
 status=0
 

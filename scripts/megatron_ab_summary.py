@@ -11,7 +11,9 @@ Reads what megatron-ab.sh wrote into DIR (``bufreuse compare --json`` outputs ``
   the ratio rings / control, its delta and 95% interval (ms and % of the control), ``bufreuse compare``'s
   verdict;
 - overall: the median, min and max of the round ratios, one verdict (the rounds' common verdict, or
-  ``inconclusive`` when they disagree), whether every round's interval lies inside the ±band, and the
+  ``inconclusive`` when they disagree), whether every round's interval lies inside the ±band, the
+  between-rounds interval (geometric mean of the round ratios with a 95% Student-t interval over the
+  rounds: the run-to-run spread, which the per-round intervals over iterations do not see), and the
   all-runs comparison against the first control;
 - drift: each pair of neighbouring control runs and the first against the last (the noise floor), and
   the largest |drift|;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -80,6 +83,36 @@ def _pair(out: Path, stem: str) -> dict[str, Any]:
     return row
 
 
+# Two-sided 95% Student-t quantiles by degrees of freedom (rounds - 1); the summary stays standard-library only.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def between_rounds(ratios: list[float], band: float) -> dict[str, Any]:
+    """Geometric mean of the round ratios and its 95% t interval over rounds (in %), judged against ±band.
+
+    Each round is one control and one rings process, so the rounds' spread holds the process-to-process
+    noise that an interval over one run's iterations cannot. Fewer than 3 rounds: no interval.
+    """
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    out: dict[str, Any] = {"n": len(ratios), "ratio_geomean": math.exp(mean), "ci95_pct": [None, None]}
+    if len(ratios) < 3:
+        out["verdict"] = "inconclusive"
+        return out
+    half = _T95.get(len(ratios) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(ratios))
+    lo, hi = (math.exp(mean - half) - 1) * 100, (math.exp(mean + half) - 1) * 100
+    out["ci95_pct"] = [lo, hi]
+    if -band <= lo and hi <= band:
+        out["verdict"] = "parity"
+    elif lo > band:
+        out["verdict"] = "regression"
+    elif hi < -band:
+        out["verdict"] = "improvement"
+    else:
+        out["verdict"] = "inconclusive"
+    return out
+
+
 def _inside(ci: list[float | None], band: float) -> bool:
     return None not in ci and -band <= ci[0] and ci[1] <= band  # type: ignore[operator]
 
@@ -125,6 +158,7 @@ def summarize(out: Path, family: str, rounds: int) -> dict[str, Any]:
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
             "every_round_ci_inside_band": all(_inside(r["ci95_pct"], band) for r in per_round),
+            "between_rounds": between_rounds(ratios, band),
             "all_runs_vs_first_control": _step(_load(all_runs_path), all_runs_path),
         },
         "drift": {
@@ -186,6 +220,10 @@ def render(summary: dict[str, Any]) -> str:
         f"({o['ratio_min']:.4f} - {o['ratio_max']:.4f}); every round's CI inside the band: "
         f"{o['every_round_ci_inside_band']}"
     )
+    b = o["between_rounds"]
+    lo, hi = b["ci95_pct"]
+    ci = "n/a (fewer than 3 rounds)" if lo is None else f"[{lo:+.2f}%, {hi:+.2f}%]"
+    lines.append(f"  between rounds: geometric mean {b['ratio_geomean']:.4f}, CI95 {ci}, {b['verdict']}")
     d = summary["drift"]
     rows = list(d["neighbouring_controls"])
     if summary["rounds"] > 2:  # with two rounds the first-vs-last pair is the one neighbouring pair

@@ -135,6 +135,27 @@ def test_table_names_arms_ratios_drift_and_the_missing_gpu_figure() -> None:
     assert "internal error" not in result.output
 
 
+def test_profile_counts_calls_and_finds_the_hooks_only_in_the_ring_arm() -> None:
+    result = runner.invoke(app, ["bench", "layer", *FAST, "--profile", "--json"])
+    assert result.exit_code == 0, result.output
+    arms = json.loads(result.stdout)["profile"]["arms"]
+    control, ring = arms["control"], arms["ring"]
+    # The control runs no bufreuse code at all; the ring arm does (positive control for the zero).
+    assert control["bufreuse_calls_per_layer_call"] == 0 and control["top"] == []
+    assert ring["bufreuse_calls_per_layer_call"] > 0
+    assert ring["added_calls_per_layer_call"] == pytest.approx(
+        ring["calls_per_layer_call"] - control["calls_per_layer_call"]
+    )
+    # One expert FC2 slot per layer call and no dispatch slot (EP = 1: identity dispatch): one ring acquire.
+    acquires = [
+        r for r in ring["top"] if r["function"].startswith("pool/ring.py") and r["function"].endswith(" acquire")
+    ]
+    assert len(acquires) == 1 and acquires[0]["calls"] == pytest.approx(1.0)
+    table = runner.invoke(app, ["bench", "layer", *FAST, "--profile"])
+    assert table.exit_code == 0, table.output
+    assert "Host profile per layer call" in table.stdout and "bufreuse functions by self time" in table.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -173,3 +173,26 @@ def test_budget_uses_measured_runs_not_the_first_estimate(tmp_path: Path) -> Non
     res = _ab(out, "--runs-only", "gb-te", ROUNDS="2", BUDGET_S="10", EST_RUN_S="6", **_fake_torchrun(tmp_path, 2))
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(list(out.glob("gb-te-*.log"))) == 4 and not (out / "ab-skipped.txt").exists()
+
+
+def test_between_rounds_interval() -> None:
+    # Three rounds: log ratios 0, ln 1.004, ln 0.996; t(2) = 4.303 (table value).
+    import math
+    import statistics
+
+    ratios = [1.0, 1.004, 0.996]
+    logs = [math.log(r) for r in ratios]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    mean = sum(logs) / 3
+    b = summ.between_rounds(ratios, 1.0)
+    assert b["ratio_geomean"] == pytest.approx(math.exp(mean))
+    assert b["ci95_pct"][0] == pytest.approx(100 * (math.exp(mean - half) - 1))
+    assert b["ci95_pct"][1] == pytest.approx(100 * (math.exp(mean + half) - 1))
+    assert b["verdict"] == "parity"  # about ±1.0%... inside the band only when the half-width is below 1%
+    assert abs(b["ci95_pct"][1]) < 1.0
+    # Positive controls: a spread past the band is inconclusive; a shift past it either side is judged so.
+    assert summ.between_rounds([1.0, 1.03, 0.97], 1.0)["verdict"] == "inconclusive"
+    assert summ.between_rounds([1.05, 1.051, 1.049], 1.0)["verdict"] == "regression"
+    assert summ.between_rounds([0.95, 0.951, 0.949], 1.0)["verdict"] == "improvement"
+    two = summ.between_rounds([1.0, 1.0], 1.0)
+    assert two["ci95_pct"] == [None, None] and two["verdict"] == "inconclusive"

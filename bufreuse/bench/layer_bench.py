@@ -34,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,6 +112,8 @@ class LayerBenchConfig:
     so host µs is Python and launches alone. CPU always runs pad mode."""
     preset: str | None = None
     """The preset the shape came from (recorded; :func:`layer_config` applies it)."""
+    profile: bool = False
+    """After the rounds, one cProfile'd round per arm: where the host time goes (see :func:`_profile_arm`)."""
 
 
 def layer_config(
@@ -456,7 +459,100 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
             rounds.append({"index": k, **entry, **figures})
             if progress is not None:
                 progress(k + 1, len(order))
-    return _summarise(cfg, device, arms, rounds)
+        profiles = (
+            {arm: _profile_arm(layer, forward, arm, cfg, device, xs, grads) for arm in arms} if cfg.profile else None
+        )
+    result = _summarise(cfg, device, arms, rounds)
+    if profiles is not None:
+        result["profile"] = _profile_summary(profiles)
+    return result
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_BENCH = str(Path(__file__).resolve().parent)
+
+
+def _profile_arm(
+    layer: Any,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    arm: str,
+    cfg: LayerBenchConfig,
+    device: torch.device,
+    xs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+) -> dict[str, Any]:
+    """One round of ``arm`` under cProfile: per layer call, the function calls (Python and C) and bufreuse's share.
+
+    Counts are exact and machine-independent; times are cProfile's, inflated by its per-call cost (an upper
+    bound on the hooks' host time, comparable between arms of one run). On Python >= 3.12 cProfile sees every
+    thread (autograd's device threads run the backward hooks); on older Pythons only the calling thread.
+    """
+    import cProfile
+    import pstats
+
+    from bufreuse.integrations.megatron import install
+    from bufreuse.pool import BufferPool
+
+    cuda = device.type == "cuda"
+    steps = schedule_steps(cfg.schedule, cfg.microbatches)
+    inst = None
+    if arm != "control":
+        inst = install(
+            layer,
+            BufferPool(device, debug=False),
+            _knobs(arm, cfg.slots),
+            tokens=cfg.tokens,
+            num_microbatches=cfg.microbatches,
+        )
+    try:
+        _schedule(forward, steps, xs, grads, None)
+        _sync(cuda)
+        prof = cProfile.Profile()
+        start = time.perf_counter()
+        prof.enable()
+        for _ in range(cfg.steps):
+            _schedule(forward, steps, xs, grads, None)
+        prof.disable()
+        _sync(cuda)
+        wall = time.perf_counter() - start
+    finally:
+        if inst is not None:
+            inst.uninstall()
+    calls = cfg.steps * cfg.microbatches
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    ours = {key: row for key, row in stats.items() if key[0].startswith(_PACKAGE) and not key[0].startswith(_BENCH)}
+    top = sorted(ours.items(), key=lambda kv: -kv[1][2])[:12]
+    return {
+        "calls_per_layer_call": sum(row[1] for row in stats.values()) / calls,
+        "bufreuse_calls_per_layer_call": sum(row[1] for row in ours.values()) / calls,
+        "bufreuse_self_us_per_layer_call": sum(row[2] for row in ours.values()) / calls * 1e6,
+        "profiled_wall_us_per_layer_call": wall / calls * 1e6,
+        "top": [
+            {
+                "function": f"{Path(k[0]).relative_to(_PACKAGE).as_posix()}:{k[1]} {k[2]}",
+                "calls": row[1] / calls,
+                "self_us": row[2] / calls * 1e6,
+                "cumulative_us": row[3] / calls * 1e6,
+            }
+            for k, row in top
+        ],
+    }
+
+
+def _profile_summary(profiles: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each arm's profile and, against the control, the calls it adds per layer call."""
+    base = profiles["control"]
+    for arm, p in profiles.items():
+        if arm != "control":
+            p["added_calls_per_layer_call"] = p["calls_per_layer_call"] - base["calls_per_layer_call"]
+            p["added_profiled_wall_us_per_layer_call"] = (
+                p["profiled_wall_us_per_layer_call"] - base["profiled_wall_us_per_layer_call"]
+            )
+    return {
+        "note": "cProfile, one round per arm after the timed rounds: call counts are exact; times include the "
+        "profiler's own per-call cost (an upper bound, for comparing arms of one run)",
+        "arms": profiles,
+    }
 
 
 @contextlib.contextmanager

@@ -126,6 +126,14 @@ def layer(
     ] = False,
     band_pct: Annotated[float, typer.Option(help="Parity band of the verdicts, percent.")] = 1.0,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="After the rounds, one cProfile'd round per arm: function calls per layer call (exact) and "
+            "the time in bufreuse's own code (cProfile's, an upper bound).",
+        ),
+    ] = False,
     json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the per-round ratios as a PNG to this file.")] = None,
@@ -152,6 +160,7 @@ def layer(
         slots=slots,
         pad=pad,
         band_pct=band_pct,
+        profile=profile,
     )
     with progress_bar("bench layer rounds") as tick:
         result = run_layer_bench(cfg, progress=tick)

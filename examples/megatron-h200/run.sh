@@ -7,7 +7,11 @@
 #      te-fp8-control te-fp8-rings          the same with FP8 (hybrid format, delayed scaling)
 #      gb-te-control gb-te-rings            GPU-bound shape (hidden 4096, 16 experts top-4, seq 4096,
 #                                           2 layers), TE spec, grouped GEMM, bf16, 4 + 4 ring slots
-#      gb-te-graph-control gb-te-graph-rings   the same with full-iteration CUDA graphs
+#      gb-te-pad-control gb-te-pad-rings    the GPU-bound TE shape with fixed shapes (capacity factor 1.0, padded
+#                                           to capacity: no per-layer host wait, the same work every iteration),
+#                                           rings at the planned depth (2 dispatch, 1 expert slot)
+#      gb-te-graph-control gb-te-graph-rings   the fixed-shape family with full-iteration CUDA graphs (the
+#                                           seed's mode), rings at the planned depth
 #      gb-te-fp8-control gb-te-fp8-rings    the GPU-bound TE shape with FP8 (hybrid, delayed)
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
 #      ab-<family>                          A B A B: <family>-control, <family>-rings, twice (family:
@@ -49,14 +53,18 @@ TE=(--transformer-impl transformer_engine --moe-grouped-gemm)
 FP8=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
 RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
   --moe-hybridep-num-expert-output-buffers 2)
-# GPU-bound rings: 4 slots each, as the seed ran them. `bufreuse plan` on the gb-te-graph arguments asks for
-# at least 2 dispatch and 1 expert slot (eager gb-te: 1 and 1). At EP = 1 the all-to-all dispatch is an
-# identity and bufreuse leaves it alone (install() notes the dispatch ring unused): only the expert FC2
-# ring is active in these runs.
+# gb-te / gb-te-fp8 rings: 4 slots each, as the seed ran them (`bufreuse plan` on the dropless gb-te arguments
+# asks for 1 and 1). At EP = 1 the all-to-all dispatch is an identity and bufreuse leaves it alone (install()
+# notes the dispatch ring unused): only the expert FC2 ring is active in these runs.
 GB_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 4
   --moe-hybridep-num-expert-output-buffers 4)
-GRAPH=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --no-check-for-nan-in-loss-and-grad
-  --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
+PAD=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
+GRAPH=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --no-check-for-nan-in-loss-and-grad "${PAD[@]}")
+# The planned depth: `bufreuse plan` on the gb-te-pad / gb-te-graph arguments (--data-parallel-size 1) says
+# dispatch minimum 2 (released after backward: bf16 GEMMs save it), expert minimum 1 (released after forward).
+# At EP = 1 the dispatch ring is not registered (identity dispatch); its knob is the plan's anyway.
+PLANNED_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
+  --moe-hybridep-num-expert-output-buffers 1)
 
 run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
   local name=$1 iters=$2 limit=$3 shape=$4
@@ -97,7 +105,9 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
     gb-te-control) echo "${TE[*]}" ;;
     gb-te-rings) echo "${TE[*]} ${GB_RINGS[*]}" ;;
     gb-te-graph-control) echo "${TE[*]} ${GRAPH[*]}" ;;
-    gb-te-graph-rings) echo "${TE[*]} ${GB_RINGS[*]} ${GRAPH[*]}" ;;
+    gb-te-graph-rings) echo "${TE[*]} ${PLANNED_RINGS[*]} ${GRAPH[*]}" ;;
+    gb-te-pad-control) echo "${TE[*]} ${PAD[*]}" ;;
+    gb-te-pad-rings) echo "${TE[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
     gb-te-fp8-control) echo "${TE[*]} ${FP8[*]}" ;;
     gb-te-fp8-rings) echo "${TE[*]} ${FP8[*]} ${GB_RINGS[*]}" ;;
     *) return 1 ;;

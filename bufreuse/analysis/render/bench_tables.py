@@ -116,9 +116,45 @@ def _ratio_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def _profile_table(profile: dict[str, Any]) -> Table:
+    """Per arm: calls per layer call, bufreuse's share, cProfile'd wall; then the ring arms' top functions."""
+    table = Table(title="Host profile per layer call (cProfile, one round per arm)", title_justify="left")
+    for col in ("arm", "calls (all)", "added vs control", "bufreuse calls", "bufreuse self µs", "profiled wall µs"):
+        table.add_column(col, justify="left" if col == "arm" else "right")
+    for arm, p in profile["arms"].items():
+        added = p.get("added_calls_per_layer_call")
+        table.add_row(
+            arm,
+            f"{p['calls_per_layer_call']:.1f}",
+            "" if added is None else f"{added:+.1f}",
+            f"{p['bufreuse_calls_per_layer_call']:.1f}",
+            f"{p['bufreuse_self_us_per_layer_call']:.1f}",
+            f"{p['profiled_wall_us_per_layer_call']:.0f}",
+        )
+    return table
+
+
+def _profile_top(profile: dict[str, Any]) -> list[Table]:
+    tables = []
+    for arm, p in profile["arms"].items():
+        if arm == "control" or not p["top"]:
+            continue
+        table = Table(title=f"{arm}: bufreuse functions by self time per layer call", title_justify="left")
+        for col in ("function", "calls", "self µs", "cumulative µs"):
+            table.add_column(col, justify="left" if col == "function" else "right")
+        for row in p["top"]:
+            table.add_row(
+                row["function"], f"{row['calls']:.2f}", f"{row['self_us']:.2f}", f"{row['cumulative_us']:.1f}"
+            )
+        tables.append(table)
+    return tables
+
+
 def layer_bench_renderable(result: dict[str, Any]) -> Group:
-    """The per-arm figures, the ratio table (with the control's drift) and the notes."""
+    """The per-arm figures, the ratio table (with the control's drift), the profile (``--profile``) and notes."""
     parts: list[Any] = [_figures_table(result), _ratio_table(result)]
+    if result.get("profile"):
+        parts += [_profile_table(result["profile"]), *_profile_top(result["profile"])]
     notes = []
     if result["note"]:
         notes.append(result["note"])
@@ -126,5 +162,7 @@ def layer_bench_renderable(result: dict[str, Any]) -> Group:
         judged = result["summary"][arm][result["headline"]]["vs_control"]
         if judged["note"]:
             notes.append(f"{arm}: {judged['note']}")
+    if result.get("profile"):
+        notes.append(result["profile"]["note"])
     parts += [Text.assemble(("note: ", "yellow"), n) for n in notes]
     return Group(*parts)

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The H200 evidence of one device session, by stage, every output tarred into $OUT (the device returns a few
+# files per call, so each stage leaves one archive). Run from the repo root on the lent H200, after the TE parts
+# are staged (scripts/device-te.sh); carry [".te-device/w", ".whl", ".mlm", ".deepep"] as the stage needs.
+#
+#   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
+#                                               # test; the HybridEP probe + test; `bench layer` with --profile
+#   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
+#                                               # Megatron-LM A/B rounds ROUND_FROM..ROUND_TO (default families
+#                                               # gb-te-pad gb-te-graph), ITERS=60 per run, logs tarred
+# Compare locally afterwards: OUT=<untarred logs> ROUNDS=R WARMUP=10 bash scripts/megatron-ab.sh --compare-only F...
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+stage=${1:?stage: tests-bench or ab}
+shift
+work=/tmp/evidence-$stage
+rm -rf "$work" && mkdir -p "$work"
+t0=$SECONDS
+log() { echo "== $(date -u +%H:%M:%S) (+$((SECONDS - t0)) s) $*" | tee -a "$work/timeline.txt"; }
+
+te_env() {
+  bash scripts/device-te.sh install >"$work/te-install.log" 2>&1 || log "TE install failed (see te-install.log)"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} BUFREUSE_REQUIRE_TE=1
+  # shellcheck source=scripts/device-env.sh
+  source scripts/device-env.sh
+}
+
+case $stage in
+  tests-bench)
+    log "TE install"
+    te_env
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv >"$work/gpu.csv" 2>&1
+    lscpu >"$work/lscpu.txt" 2>&1
+    if [ -d .deepep/src ]; then
+      log "DeepEP hybrid-ep build (background)"
+      OUT=$work bash scripts/hybridep-device.sh build >"$work/hybridep-build-bg.log" 2>&1 &
+      build_pid=$!
+    fi
+    log "gpu-marked tests"
+    OUT=$work timeout -k 10 "${TESTS_TIMEOUT:-260}" bash scripts/gpu-tests.sh ${TEST_ARGS:-} >/dev/null 2>&1
+    log "gpu tests exit $? : $(grep -E '^=+ .* in [0-9.]+s' "$work/gpu-tests.log" | tail -1)"
+    if [ -n "${build_pid:-}" ]; then
+      wait "$build_pid"; log "DeepEP build exit $?"
+      OUT=$work TOTAL_TIMEOUT=${HYBRIDEP_TIMEOUT:-150} timeout -k 10 "${HYBRIDEP_TIMEOUT:-150}" \
+        bash scripts/hybridep-device.sh run >"$work/hybridep-run.log" 2>&1
+      log "HybridEP run exit $? : $(cat "$work/hybridep-status.txt" 2>/dev/null | head -1)"
+    fi
+    bl() {  # name, bench layer arguments...
+      local name=$1; shift
+      log "bench layer $name"
+      timeout -k 10 150 python3 -m bufreuse bench layer "$@" --json --output "$work/bl-$name.json" \
+        --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench layer $name exit $?"
+    }
+    bl host-pad-bf16 --preset host-bound --spec te --pad --rounds 20 --profile
+    bl host-bf16 --preset host-bound --spec te --rounds 10 --profile
+    bl host-pad-fp8 --preset host-bound --spec te --precision fp8 --pad --rounds 10 --profile
+    bl gpu-pad-bf16 --preset gpu-bound --spec te --pad --rounds 10
+    ;;
+  ab)
+    from=${1:?first round}; to=${2:?last round}; shift 2
+    te_env
+    fams=("$@"); [ ${#fams[@]} -eq 0 ] && fams=(gb-te-pad gb-te-graph)
+    export MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-.mlm} ITERS=${ITERS:-60} LAUNCHER=${LAUNCHER:-torchrun}
+    for ((k = from; k <= to; k++)); do
+      for f in "${fams[@]}"; do
+        if [ $((k % 2)) = 1 ]; then arms="control rings"; else arms="rings control"; fi
+        for arm in $arms; do
+          left=$(( ${BUDGET_S:-540} - ($(date +%s) - ${AB_T0:-$(date +%s)}) ))
+          if [ "$left" -lt "${EST_RUN_S:-60}" ]; then log "budget: $f-$arm-$k skipped (${left}s left)"; continue; fi
+          log "$f-$arm-$k"
+          echo "$f $arm $k" >>"$work/ab-order.txt"
+          OUT=$work LIMIT=$(( left < 180 ? left : 180 )) bash examples/megatron-h200/run.sh "$f-$arm@$f-$arm-$k" \
+            >/dev/null 2>&1 || log "$f-$arm-$k exit $?"
+          log "$f-$arm-$k: $(grep -c 'elapsed time per iteration' "$work/$f-$arm-$k.log" 2>/dev/null) iterations"
+        done
+      done
+    done
+    ;;
+  *) sed -n '2,12p' "$0" >&2; exit 2 ;;
+esac
+log "done; tarring"
+tar -czf "$OUT/$stage-$(date -u +%H%M%S).tar.gz" -C "$work" .
+ls -la "$OUT"
