@@ -230,3 +230,23 @@ def test_initial_slots_is_the_planned_minimum_or_none():
     assert initial_slots({**fields, "num_layers": 7}, "dispatch", num_microbatches=8) is None
     off = {**fields, "fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]}
     assert initial_slots(off, "dispatch", num_microbatches=8) is None
+
+
+def test_plan_marks_the_ep1_dispatch_ring_unused_as_install_does():
+    from bufreuse.config import BufReuseConfig, static_bounds
+
+    fields = {
+        "num_layers": 2, "num_microbatches": 4, "seq_length": 128, "micro_batch_size": 1, "hidden_size": 64,
+        "moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2,
+        "expert_model_parallel_size": 1, "bf16": True, "moe_hybridep_reuse_dispatch_output_buffers": True,
+        "moe_hybridep_num_expert_output_buffers": 2,
+    }  # fmt: skip
+    dispatch = next(b for b in plan_config(fields).buffers if b.buffer == "dispatch")
+    # install()'s own bound registers 0 dispatch slots at EP = 1: the plan says the same, with no memory on either side
+    bounds = static_bounds(fields, BufReuseConfig.from_mapping(fields), path="alltoall", tokens=128)
+    assert bounds["dispatch"].slots == 0
+    assert dispatch.unused and dispatch.persistent_bytes == 0 and dispatch.pending_bytes == 0
+    # Positive controls: at EP = 2 the ring exists; at EP = 1 the validation knob asks for it too.
+    for extra in ({"expert_model_parallel_size": 2}, {"moe_bufreuse_ring_identity_dispatch": True}):
+        real = next(b for b in plan_config({**fields, **extra}).buffers if b.buffer == "dispatch")
+        assert real.unused is None and real.persistent_bytes == real.minimum * real.slot_bytes > 0

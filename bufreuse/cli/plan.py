@@ -131,7 +131,7 @@ def _render(file: Path, data: dict) -> None:
             str(b["configured"]),
             f"{b['minimum']}{per_chunk}",
             "constant" if b["constant"] else (b["formula"] or "simulated"),
-            _mib(b["persistent_bytes"]) if sized else "?",
+            "not used" if b.get("unused") else (_mib(b["persistent_bytes"]) if sized else "?"),
             f"{b['control_pending_count']} = {_mib(b['control_pending_bytes'])}"
             if sized
             else str(b["control_pending_count"]),
@@ -140,6 +140,8 @@ def _render(file: Path, data: dict) -> None:
     console.print(table)
     for b in data["buffers"]:
         console.print(f"[bold]{b['ring']}[/]: release after {b['release']['point']}: {b['release']['reason']}")
+        if b.get("unused"):
+            console.print(f"  [dim]not used: {b['unused']}[/]")
         if b["cycle"] is not None:
             console.print(f"  [red]stuck at {b['configured']} slot(s):[/] {b['cycle']['text']}")
         elif not b["ok"] and b["minimum"] is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bufreuse import limits
-from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch
+from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, identity_dispatch, static_bounds, tokens_per_microbatch
 from bufreuse.errors import InputError
 from bufreuse.plan.depth import ALL_CHUNKS, closed_form, pending_at, ring_depths
 from bufreuse.plan.hazards import Cycle, find_hazards
@@ -71,6 +71,8 @@ class BufferPlan:
     """Schedule step of that max-active point."""
     cycle: Cycle | None = None
     """Where the GPU would be stuck with the configured slots (None: runs)."""
+    unused: str | None = None
+    """Why ``install()`` registers no ring for this buffer (the EP = 1 identity dispatch), else None."""
 
     @property
     def ok(self) -> bool:
@@ -84,7 +86,9 @@ class BufferPlan:
 
     @property
     def persistent_bytes(self) -> int:
-        """Bytes the rank's ring of this buffer holds at the minimum (minimum x slot bytes)."""
+        """Bytes the rank's ring of this buffer holds at the minimum (minimum x slot bytes); 0 when unused."""
+        if self.unused:
+            return 0
         return (self.minimum or 0) * self.slot_bytes * self.rings
 
     @property
@@ -109,6 +113,7 @@ class BufferPlan:
             "control_pending_bytes": self.pending_bytes,
             "control_pending_step": self.pending_step,
             "cycle": None if self.cycle is None else self.cycle.to_dict(),
+            "unused": self.unused,
         }
 
 
@@ -348,6 +353,18 @@ def plan_config(
         slot_bytes={b: bd.slot_bytes for b, bd in bounds.items()},
         lag_steps=lag_steps,
     )
+    for plan in plans:
+        # The same model as install(): at EP = 1 the all-to-all returns its input and no dispatch ring exists.
+        # The control allocates nothing there either, so it has no pending-free from it.
+        if (
+            plan.buffer == "dispatch"
+            and identity_dispatch(fields, path or "alltoall")
+            and not knobs.moe_bufreuse_ring_identity_dispatch
+        ):
+            plan.unused = (
+                "at EP = 1 the all-to-all dispatch returns its input (no ring, and no allocation in the control)"
+            )
+            plan.pending_count = 0
     return PlanReport(spec=spec, layers_per_chunk=layers, buffers=plans, tokens=tokens, path=path, lag_steps=lag_steps)
 
 
