@@ -95,14 +95,16 @@ def _rows() -> tuple[Row, ...]:
         ]  # fmt: skip
     # Delayed wgrad: the dispatch slot is held until backward_dw (one more slot in flight than 1F1B).
     for spec in ("te-fake", "te"):
-        for experts in (1, 8):
-            rows.append(Row(name=f"{spec}-e{experts}-delay_wgrad_compute-1f1b_dw", spec=spec, experts=experts,
-                            order="1f1b_dw", dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", slots=3))
         fp8 = "copy" if spec == "te-fake" else "delayed"
-        rows.append(Row(name=f"{spec}-e1-fp8{fp8}-delay_wgrad_compute-1f1b_dw", spec=spec, experts=1,
-                        order="1f1b_dw", dtype="bfloat16", fp8=fp8, delayed_wgrad="delay_wgrad_compute", slots=3))
-        rows.append(Row(name=f"{spec}-e1-delay_wgrad_compute-shallow", spec=spec, experts=1, order="1f1b_dw",
-                        dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", slots=2, expect="early-reuse:3"))
+        rows += [
+            *(Row(name=f"{spec}-e{experts}-delay_wgrad_compute-1f1b_dw", spec=spec, experts=experts,
+                  order="1f1b_dw", dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", slots=3)
+              for experts in (1, 8)),
+            Row(name=f"{spec}-e1-fp8{fp8}-delay_wgrad_compute-1f1b_dw", spec=spec, experts=1, order="1f1b_dw",
+                dtype="bfloat16", fp8=fp8, delayed_wgrad="delay_wgrad_compute", slots=3),
+            Row(name=f"{spec}-e1-delay_wgrad_compute-shallow", spec=spec, experts=1, order="1f1b_dw",
+                dtype="bfloat16", delayed_wgrad="delay_wgrad_compute", slots=2, expect="early-reuse:3"),
+        ]  # fmt: skip
     rows += [
         Row(name="te-e1-overlap_dispatch_backward_with_experts_wgrad", spec="te", experts=1, order="1f1b",
             dtype="bfloat16", delayed_wgrad="overlap_dispatch_backward_with_experts_wgrad"),

@@ -95,8 +95,12 @@ BREAKERS = {
     ),
     "no_graphed_delayed_wgrad": (
         _alltoall_cfg,  # pad-to-capacity at EP = 1: the experts read the slot (bf16), so FC1's wgrad store holds it
-        {"delay_wgrad_compute": True, "cuda_graph_impl": "full_iteration", "moe_pad_expert_input_to_capacity": True,
-         "moe_expert_capacity_factor": 1.0},
+        {
+            "delay_wgrad_compute": True,
+            "cuda_graph_impl": "full_iteration",
+            "moe_pad_expert_input_to_capacity": True,
+            "moe_expert_capacity_factor": 1.0,
+        },
     ),
     "unfused_permute": (_alltoall_cfg, {"moe_permute_fusion": True}),
     "no_shared_expert_overlap": (_alltoall_cfg, {"moe_shared_expert_overlap": True}),

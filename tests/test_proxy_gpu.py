@@ -45,13 +45,79 @@ def test_modes_give_identical_results(eager_sweep: SweepDir) -> None:
     assert len({r.checksum for r in rows}) == 1
 
 
-def test_ring_has_no_pending_free_for_its_buffers(eager_sweep: SweepDir) -> None:
-    control = eager_sweep.paths("slots0").read_metrics()
-    by_cat = control["pending_free_by_category_at_max_active"]
-    # Which of the two buffers sits in the control's queue at its max-active point depends on when the
-    # allocator saw events complete (the H200 once showed 0 dispatch and 8 MiB expert bytes): require
-    # the hooked buffers as a whole to be queued, so the ring assertions below compare against a real queue.
-    assert by_cat.get("dispatch_output", 0) + by_cat.get("expert_output", 0) > 0, by_cat
+HOLD_MS = 1000.0
+"""GPU sleep queued on the compute stream before each held recorded step: far longer than the host needs to issue
+one SMALL step with stack recording (checked per step, not assumed)."""
+
+
+def _held_pending_free(tmp_path: Path, label: str, over: dict) -> tuple[dict, list[bool]]:
+    """Record ``record_steps`` proxy steps, each issued behind a ``HOLD_MS`` GPU sleep; pending-free by category.
+
+    The same pieces as the runner's recording pass (``build_pool``, ``MoEProxy``, ``warm_up``,
+    ``measure.record_snapshot``, ``measure.snapshot_figures``). The sleep sits on the compute stream ahead of the
+    step, and the step's first act joins the comm stream to it, so every event ``record_stream`` inserts while
+    the host issues the step (on compute for the dispatch output, on comm for the FC2 output) is queued behind
+    the sleep: none can complete before the host has issued the whole step. Also returns, per step, whether
+    the sleep was still running when the step was issued (it must be, or the hold proved nothing).
+    """
+    import torch
+
+    from bufreuse.bench import measure
+    from bufreuse.bench.proxy import ProxyConfig, build_pool, warm_up
+    from bufreuse.bench.schedule import MoEProxy, calibrate_sleep
+
+    cfg = ProxyConfig.from_config({**SMALL, "warmup_s": 0.0, **over})
+    dev = torch.device("cuda")
+    pool = build_pool(cfg, dev)
+    proxy = MoEProxy(cfg, pool, dev)
+    compute = proxy.streams.compute
+    outlasted: list[bool] = []
+    with torch.no_grad():
+        run, _ = warm_up(proxy, pool, cfg)
+        hold = int(HOLD_MS * calibrate_sleep(compute))
+
+        def held_step() -> None:
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(hold)
+                gate = torch.cuda.Event()
+                gate.record(compute)
+            run()
+            outlasted.append(not gate.query())
+
+        snap = measure.record_snapshot(
+            held_step, cfg.record_steps, tmp_path / f"{label}.pickle.gz", device=dev, stream=compute
+        )
+    return measure.snapshot_figures(snap)["pending_free_by_category_at_max_active"] or {}, outlasted
+
+
+def test_ring_has_no_pending_free_for_its_buffers(eager_sweep: SweepDir, tmp_path: Path) -> None:
+    """The rings' two buffers are never in the pending-free queue; the control's are, deterministically.
+
+    Positive control: in the sweep's own recording the control's queue at the max-active point depends on how
+    far the host runs ahead of the GPU (recording stacks slows the host; the H200 once showed nothing queued),
+    so the control and the rings are recorded again here, every step issued behind a GPU hold: then every
+    control buffer released during the step is still queued when the last one is allocated.
+    """
+    bytes_per_buffer = SMALL["tokens"] * SMALL["hidden"] * 2  # bf16
+    mb = SMALL["microbatches"]
+    arms = {
+        "control": {"mode": "control"},
+        "ring2": {"mode": "ring", "slots": 2},
+        "ring4": {"mode": "ring", "slots": 4},
+    }
+    held = {label: _held_pending_free(tmp_path, label, over) for label, over in arms.items()}
+    for label, (_, outlasted) in held.items():
+        assert len(outlasted) == SMALL["record_steps"] and all(outlasted), (label, outlasted, "raise HOLD_MS")
+    control = held["control"][0]
+    # At the control's max-active point (the FC2 temporaries of the last microbatch) every dispatch and FC2
+    # output of the earlier microbatches is queued: mb - 1 of each, the last one's possibly too.
+    for cat in ("dispatch_output", "expert_output"):
+        assert (mb - 1) * bytes_per_buffer <= control.get(cat, 0) <= mb * bytes_per_buffer, (cat, control)
+    for label in ("ring2", "ring4"):
+        cats = held[label][0]
+        assert cats.get("dispatch_output", 0) == 0 and cats.get("expert_output", 0) == 0, (label, cats)
+
+    # The sweep's rings (runner subprocesses, metrics.json): the same claim through the product path.
     for cid in ("slots2", "slots4"):
         m = eager_sweep.paths(cid).read_metrics()
         cats = m["pending_free_by_category_at_max_active"]
