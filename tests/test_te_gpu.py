@@ -112,11 +112,13 @@ def _run(kind: str, recipe: str, pool: BufferPool | None) -> tuple[list, list, d
             with track, _autocast(recipe):
                 y = _forward(kind, mod, xs[i], slot)
                 z = y * 2.0  # the consumer (combine's stand-in): a scalar multiply saves nothing
+            # The test's own copy is a reader of the slot too: it goes before the release (debug mode poisons a
+            # released slot at once on its stream, so a copy after the release reads NaN -- a stale read).
+            outs[i], consumed[i] = y.detach().clone(), z
             if slot is not None:
                 assert y.data_ptr() == slot.data_ptr(), "TE did not write into the slot"
                 ptrs.append(slot.data_ptr())
                 pool.release_when_unsaved("expert", slot)
-            outs[i], consumed[i] = y.detach().clone(), z
         else:
             consumed[i].backward(gs[i])
     torch.cuda.synchronize()
