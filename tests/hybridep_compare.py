@@ -68,8 +68,9 @@ def compare_dispatch(real: tuple, fake: tuple) -> tuple[dict[str, Any], list[str
 
     Checked: rows of the output, ``tokens_per_expert`` (returned, padded), the handle's length,
     ``handle[7]`` (raw counts), ``handle[8]`` (tokens), ``handle[-1]`` (overflow flag, which megatron
-    reads); per expert the tokens in row order and their hidden rows and probs, bit for bit.
-    Recorded only: what padding rows and rows past the experts hold, every handle field's form.
+    reads); per expert the tokens in row order and their hidden rows and probs, bit for bit; the real
+    padding rows are zero (the dispatch ring relies on it: docs/megatron.md). Recorded only: what rows
+    past the padded splits hold, every handle field's form.
     """
     r_out, r_probs, _, r_tpe, r_h = real
     f_out, f_probs, _, f_tpe, f_h = fake
@@ -113,6 +114,8 @@ def compare_dispatch(real: tuple, fake: tuple) -> tuple[dict[str, Any], list[str
             rp, fp = r_probs.detach().cpu()[r0:r1], f_probs.detach().cpu()[f0:f1]
             row["probs_equal"] = rp.shape == fp.shape and torch.equal(rp, fp)
         pad_zero.append(bool((r_cpu[r1:r2] == 0).all()))
+        if not pad_zero[-1]:
+            bad.append(f"expert {e}: padding rows are not zero")
         for key in ("order_equal", "rows_bit_equal", "probs_equal"):
             if row.get(key) is False:
                 hint = "" if row["same_token_set"] or key != "order_equal" else " (different tokens)"

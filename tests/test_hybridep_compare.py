@@ -70,6 +70,19 @@ def test_other_padding_and_counts_are_reported() -> None:
     assert facts["real_padding_rows_zero"] == [True] * EXPERTS
 
 
+def test_padding_rows_that_are_not_zero_are_reported() -> None:
+    _, _, _, out = _dispatch(pad=16)
+    counts, padded = out[4][7], out[3]
+    e = int(torch.nonzero(padded > counts)[0, 0])  # the first expert with padding rows
+    row = int(padded[:e].sum() + counts[e])  # its first padding row
+    real = list(out)
+    real[0] = out[0].clone()
+    real[0][row, 3] = 1
+    facts, bad = compare_dispatch(tuple(real), out)
+    assert bad == [f"expert {e}: padding rows are not zero"]
+    assert facts["real_padding_rows_zero"] == [i != e for i in range(EXPERTS)]
+
+
 def test_combine_rows_compared_bit_for_bit_routed_and_unrouted_apart() -> None:
     buf, _, _, out = _dispatch(budget=24)  # drops rows: some tokens keep no expert
     y = buf.combine_with_unpermute(hidden=out[0] * 2, handle=out[4])[0]

@@ -82,7 +82,8 @@ def test_hybridep_adapter_hands_the_slot_to_deepep() -> None:
     ref, ref_probs, _, ref_counts, _ = dep.HybridEPBufferUpstream(None, 0, 0, 0).dispatch_with_permute(
         hidden=hidden, num_permuted_tokens=BOUND, routing_map=routing, probs=probs
     )
-    # Only the dispatched rows are written (padding rows keep the slot's old contents, like the kernel).
+    # Only the dispatched rows are written: no padding here, and the rows past them keep the slot's old contents
+    # (upstream's own output holds torch::empty garbage there).
     rows = handle[0][handle[0] >= 0]
     assert rows.numel() == int(routing.sum())
     assert torch.equal(out[rows], ref[rows]) and torch.equal(out_probs, ref_probs) and torch.equal(counts, ref_counts)

@@ -355,47 +355,81 @@ def test_install_refuses_the_hybridep_ring_by_name(hybridep, monkeypatch, field,
     assert "dispatch" not in vars(mgr) and "forward" not in vars(layer.experts)  # nothing stays hooked
 
 
-SENTINEL = 30_000.0
-"""Finite on purpose: padding rows do pass through the expert GEMMs with a zero output gradient, so a NaN or
-inf there would reach the weight gradients as 0 x NaN (in the control too, whose kernel output is not
-zeroed either); finite stale rows contribute exact zeros."""
+TAIL_FACTOR = 12.0
+"""Rank capacity giving a budget of int(64 x 2 x 12) = 1,536 rows: 4 experts x 256 (the op fuser's pad multiple)
+= 1,024 rows inside the padded splits, and 512 rows past them that no dispatch writes."""
 
 
-def _poison(pool: BufferPool, slots: int) -> None:
-    """Fill every dispatch slot with SENTINEL (acquire all, write, release: the cursor is back at slot 0)."""
-    held = [pool.acquire("dispatch_output") for _ in range(slots)]
+def _poison_all(pool: BufferPool, name: str, slots: int) -> None:
+    """Acquire every slot of ``name`` and release it: debug mode fills each with NaN (the cursor is back at 0)."""
+    held = [pool.acquire(name) for _ in range(slots)]
     for t in held:
-        t.fill_(SENTINEL)
-    for t in held:
-        pool.release("dispatch_output", t)
+        pool.release(name, t)
 
 
-def test_stale_rows_of_a_reused_dispatch_slot_never_reach_the_result(hybridep, monkeypatch) -> None:
-    """The fake, like the kernel, writes only the dispatched rows of ``output_token``: padding rows and rows
-    past the dispatched count keep what the slot held. Poison every slot with a sentinel first: the layer's
-    output and gradients must still equal the control's bit for bit."""
-    layer = _layer(monkeypatch)
+def _rows_by_kind(d: torch.Tensor, mgr) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masks of ``d``'s rows: dispatched tokens, each expert's padding rows, rows past the padded splits."""
+    raw = torch.bincount(mgr.handle[6], minlength=EXPERTS)  # padded rows per expert (dense_to_expert_map)
+    counts = mgr.handle[7]  # tokens per expert before padding
+    token = torch.zeros(d.shape[0], dtype=torch.bool)
+    pad = torch.zeros(d.shape[0], dtype=torch.bool)
+    off = 0
+    for c, p in zip(counts.tolist(), raw.tolist(), strict=True):
+        token[off : off + c] = True
+        pad[off + c : off + p] = True
+        off += p
+    tail = torch.zeros(d.shape[0], dtype=torch.bool)
+    tail[off:] = True
+    return token, pad, tail
+
+
+def _run_poisoned(monkeypatch, buffer_cls) -> tuple[list, list, dict, list, list, dict]:
+    """The control, then the same interleaved run with debug-mode rings whose every slot starts as NaN."""
+    from megatron.core.transformer.moe import fused_a2a
+
+    monkeypatch.setattr(fused_a2a, "HybridEPBuffer", buffer_cls)
+    layer = _layer(monkeypatch, moe_expert_rank_capacity_factor=TAIL_FACTOR)
     xs = _inputs()
     ref_out, ref_grad = _interleaved(layer, xs)
     ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
-    pool = BufferPool("cpu")
-    with install(layer, pool, _knobs(slots=2), tokens=TOKENS):
-        _poison(pool, 2)
+    pool = BufferPool("cpu", debug=True)
+    with install(layer, pool, _knobs(slots=2), tokens=TOKENS), pool.autograd_guard():
+        _poison_all(pool, "dispatch_output", 2)
+        _poison_all(pool, "expert_fc2_output", 2)
         out, grad = _interleaved(layer, xs)
-    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
-    assert all(torch.equal(p.grad, ref_params[n]) for n, p in layer.named_parameters() if p.grad is not None)
+    params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
     assert pool.stats()["dispatch_output"].acquisitions == 2 + 3
+    return ref_out + ref_grad, ref_params, out + grad, params
 
-    # Positive control (after the run above, on a layer of its own): the poison survives, whole, in the rows
-    # a dispatch leaves alone, so the run above did read from poisoned slots.
-    probe_pool = BufferPool("cpu")
-    probe = _layer(monkeypatch)
+
+def test_debug_poison_in_reused_slots_never_reaches_the_result(hybridep, monkeypatch) -> None:
+    """Debug mode fills every freed slot with NaN. HybridEP writes every row the experts read: the dispatched
+    rows and, zeroed, each expert's padding rows (as DeepEP's permute kernels do); rows past the padded splits
+    keep the NaN, and no reader touches them. Outputs and every gradient equal the control's bit for bit."""
+    ref, ref_params, got, params = _run_poisoned(monkeypatch, dep.HybridEPBuffer)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    assert params.keys() == ref_params.keys() and ref_params
+    assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
+
+    # Positive control: the slot a dispatch writes into held NaN, which stays, whole, in the rows past the padded
+    # splits (so the run above handed the experts NaN rows); the padding rows were zeroed by the dispatch.
+    probe_pool = BufferPool("cpu", debug=True)
+    probe = _layer(monkeypatch, moe_expert_rank_capacity_factor=TAIL_FACTOR)
     with install(probe, probe_pool, _knobs(slots=1), tokens=TOKENS), torch.no_grad():
-        _poison(probe_pool, 1)
+        _poison_all(probe_pool, "dispatch_output", 1)
         d, _ = _dispatch(probe, _inputs()[0], 0)
-        stale = (d == SENTINEL).all(dim=1)
-        # TOKENS x TOPK = 128 rows dispatched into a 1,024-row slot: 896 rows keep the poison, whole.
-        assert int(stale.sum()) == d.shape[0] - TOKENS * TOPK == 1024 - 128
-        assert not (d[~stale] == SENTINEL).any()
+        token, pad, tail = _rows_by_kind(d, probe.token_dispatcher._comm_manager)
+        assert (int(token.sum()), int(pad.sum()), int(tail.sum())) == (TOKENS * TOPK, 1024 - 128, 1536 - 1024)
+        assert torch.isfinite(d[token]).all() and (d[pad] == 0).all() and torch.isnan(d[tail]).all()
         probe_pool.release("dispatch_output", d)
+
+
+def test_a_backend_that_leaves_padding_rows_unwritten_poisons_the_weight_gradients(hybridep, monkeypatch) -> None:
+    """Why the output_token contract includes the padding rows: the grouped GEMMs compute them (zero probs, zero
+    output gradient), so a NaN left there reaches the weight gradients as 0 x NaN, which debug mode shows."""
+    ref, ref_params, got, params = _run_poisoned(monkeypatch, dep.HybridEPBufferSkippingPadding)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))  # the forward and input grads: unharmed
+    assert all(torch.isfinite(g).all() for g in ref_params.values())
+    poisoned = sorted(n for n in ref_params if not torch.isfinite(params[n]).all())
+    assert poisoned == sorted(ref_params), poisoned  # FC1 and FC2 weights both read the padding rows

@@ -9,11 +9,15 @@ what megatron-core 0.19.2 really passes (its call sites read with ``ast``, and i
 ``fused_a2a`` code calling into this fake on every branch).
 
 The bodies are ours: at world size 1, dispatch is an expert-major permutation of the local tokens
-(each expert's rows padded to ``pad_multiple``, the rest of the ``num_permuted_tokens`` rows zero,
-rows past that budget dropped and ``overflow_flag`` set) and combine sums each token's expert rows
-back. The handle's ``sparse_to_dense_map`` (token x expert -> permuted row, -1 if none) is what
-both directions use, so backward passes (dispatch with a handle, combine with probs) work as
-megatron-core's ``HybridEPDispatch`` / ``HybridEPCombine`` call them.
+(each expert's rows padded to ``pad_multiple`` with zero rows, rows past that budget dropped and
+``overflow_flag`` set) and combine sums each token's expert rows back. Which rows a dispatch writes
+follows upstream's kernels (hybrid-ep @ 94a9f8f6, ``csrc/hybrid_ep/extension/permute.cu`` and the fused
+dispatch-permute in ``backend/hybrid_ep_backend.cuh``): the dispatched rows, and each expert's padding
+rows set to zero (tokens, probs and scales); the rows past the padded splits are not written (upstream
+allocates its output with ``torch::empty``; the fake's own output is zeros there, a caller's
+``output_token`` keeps what it held). The handle's ``sparse_to_dense_map`` (token x expert -> permuted
+row, -1 if none) is what both directions use, so backward passes (dispatch with a handle, combine with
+probs) work as megatron-core's ``HybridEPDispatch`` / ``HybridEPCombine`` call them.
 """
 
 from __future__ import annotations
@@ -59,8 +63,21 @@ def _sparse_to_dense(
     return mapping, tokens_per_expert, padded, rows, needed > rows
 
 
+def _padding_rows(counts: torch.Tensor, padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """Row indices of every expert's padding (after its ``counts`` tokens, up to ``padded``), below ``rows``."""
+    idx: list[int] = []
+    off = 0
+    for c, p in zip(counts.tolist(), padded.tolist(), strict=True):
+        idx.extend(range(min(off + c, rows), min(off + p, rows)))
+        off += p
+    return torch.tensor(idx, dtype=torch.long)
+
+
 class HybridEPBufferUpstream:
     """The upstream API: no way to pass the output buffer."""
+
+    zero_padding = True
+    """Whether a caller's ``output_token`` gets its padding rows zeroed, as upstream's kernels zero theirs."""
 
     def __init__(
         self,
@@ -196,8 +213,8 @@ class HybridEPBufferUpstream:
                 warnings.warn("This handle could be invalid.", stacklevel=3)
             mapping, padded = handle[0], torch.bincount(handle[6], minlength=handle[7].numel())
             rows = int(padded.sum()) if num_permuted_tokens is None else int(num_permuted_tokens)
-        # A caller's output_token is written only at the dispatched rows, like the kernel: padding rows and
-        # rows past the dispatched count keep whatever the slot held before (stale data in a reused slot).
+        # Like the kernels: the dispatched rows, then each expert's padding rows zeroed; a caller's output_token
+        # keeps what it held past the padded splits (stale data in a reused slot).
         out = hidden.new_zeros((rows, hidden.shape[1])) if output_token is None else output_token
         p = None if probs is None else probs.new_zeros(rows)
         for e in range(mapping.shape[1]):
@@ -205,6 +222,8 @@ class HybridEPBufferUpstream:
             out[mapping[tok, e]] = hidden[tok]
             if p is not None:
                 p[mapping[tok, e]] = probs[tok, e]
+        if output_token is not None and self.zero_padding:
+            out[_padding_rows(handle[7], padded, rows)] = 0
         return out, p, None, padded, handle
 
 
@@ -239,6 +258,12 @@ class HybridEPBuffer(HybridEPBufferUpstream):
         if output_token is not None:
             self.output_tokens.append(output_token)
         return self._dispatch(output_token, **args)
+
+
+class HybridEPBufferSkippingPadding(HybridEPBuffer):
+    """Breaks the ``output_token`` contract: writes the dispatched rows only, padding rows keep the slot's data."""
+
+    zero_padding = False
 
 
 class HybridEPBufferIgnoringOutput(HybridEPBuffer):

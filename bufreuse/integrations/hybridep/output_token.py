@@ -4,6 +4,13 @@ Upstream HybridEP allocates its dispatch output itself; ``output_token`` is the 
 the caller supply it (docs/megatron.md says which DeepEP has it). These helpers fail early, naming
 the missing API, when the installed DeepEP lacks it, and check that the kernel really wrote into
 the slot it was given. The layer hooks using them are :mod:`bufreuse.integrations.hybridep.hooks`.
+
+What the backend must write into ``output_token`` (a reused slot holds the previous microbatch's data,
+or NaN in debug mode): every dispatched row, and each expert's padding rows set to zero, as upstream's
+permute kernels zero them in their own output; the expert GEMMs compute the padding rows, so stale
+values there reach the weight gradients. Rows past the padded splits may stay as they were: upstream
+leaves them unwritten too, and no consumer reads them (docs/megatron.md, "Which rows of a slot are
+written").
 """
 
 from __future__ import annotations
