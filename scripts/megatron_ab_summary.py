@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron_ab_summary: error: {e}", file=sys.stderr)
         return 2
     if args.json is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's bufreuse, from any folder
         from bufreuse.fsutil import atomic_write_json
 
         atomic_write_json(args.json, summary)
