@@ -60,6 +60,7 @@ case $stage in
     ;;
   ab)
     from=${1:?first round}; to=${2:?last round}; shift 2
+    AB_T0=${AB_T0:-$(date +%s)}   # the budget's clock: fixed once, before the first run
     te_env
     fams=("$@"); [ ${#fams[@]} -eq 0 ] && fams=(gb-te-pad gb-te-graph)
     export MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-.mlm} ITERS=${ITERS:-60} LAUNCHER=${LAUNCHER:-torchrun}
@@ -67,7 +68,7 @@ case $stage in
       for f in "${fams[@]}"; do
         if [ $((k % 2)) = 1 ]; then arms="control rings"; else arms="rings control"; fi
         for arm in $arms; do
-          left=$(( ${BUDGET_S:-540} - ($(date +%s) - ${AB_T0:-$(date +%s)}) ))
+          left=$(( ${BUDGET_S:-540} - ($(date +%s) - AB_T0) ))
           if [ "$left" -lt "${EST_RUN_S:-60}" ]; then log "budget: $f-$arm-$k skipped (${left}s left)"; continue; fi
           log "$f-$arm-$k"
           echo "$f $arm $k" >>"$work/ab-order.txt"

@@ -84,7 +84,9 @@ def _pair(out: Path, stem: str) -> dict[str, Any]:
 
 
 # Two-sided 95% Student-t quantiles by degrees of freedom (rounds - 1); the summary stays standard-library only.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 25: 2.060, 30: 2.042}
 
 
 def between_rounds(ratios: list[float], band: float) -> dict[str, Any]:
@@ -93,13 +95,17 @@ def between_rounds(ratios: list[float], band: float) -> dict[str, Any]:
     Each round is one control and one rings process, so the rounds' spread holds the process-to-process
     noise that an interval over one run's iterations cannot. Fewer than 3 rounds: no interval.
     """
+    if any(not r > 0 for r in ratios):
+        raise SummaryError(f"a round's step-time ratio is not positive: {ratios}")
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     out: dict[str, Any] = {"n": len(ratios), "ratio_geomean": math.exp(mean), "ci95_pct": [None, None]}
     if len(ratios) < 3:
         out["verdict"] = "inconclusive"
         return out
-    half = _T95.get(len(ratios) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(ratios))
+    df = len(ratios) - 1
+    t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)]  # past the table: the next smaller df (wider)
+    half = t * statistics.stdev(logs) / math.sqrt(len(ratios))
     lo, hi = (math.exp(mean - half) - 1) * 100, (math.exp(mean + half) - 1) * 100
     out["ci95_pct"] = [lo, hi]
     if -band <= lo and hi <= band:

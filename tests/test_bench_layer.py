@@ -183,3 +183,17 @@ def test_te_spec_without_transformer_engine_is_refused(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
     with pytest.raises(InputError, match="--spec te needs Transformer Engine"):
         _check_te(LayerBenchConfig(spec="te"))
+
+
+def test_profile_refused_up_front_when_another_profiler_is_active(monkeypatch) -> None:
+    import cProfile
+
+    class Busy(cProfile.Profile):
+        def enable(self, *a, **k):  # what Python >= 3.12 raises when another tool holds the profiler slot
+            raise ValueError("Another profiling tool is already active")
+
+    monkeypatch.setattr(cProfile, "Profile", Busy)
+    result = runner.invoke(app, ["bench", "layer", *FAST, "--profile"])
+    assert result.exit_code == 2, result.output
+    assert "--profile: cannot start cProfile" in result.output and "Traceback" not in result.output
+    assert "ratio to the control" not in result.output  # refused before any round ran

@@ -176,11 +176,11 @@ def test_budget_uses_measured_runs_not_the_first_estimate(tmp_path: Path) -> Non
 
 
 def test_between_rounds_interval() -> None:
-    # Three rounds: log ratios 0, ln 1.004, ln 0.996; t(2) = 4.303 (table value).
+    # Three rounds: log ratios 0, ln 1.002, ln 0.998; t(2) = 4.303 (table value).
     import math
     import statistics
 
-    ratios = [1.0, 1.004, 0.996]
+    ratios = [1.0, 1.002, 0.998]
     logs = [math.log(r) for r in ratios]
     half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
     mean = sum(logs) / 3
@@ -188,11 +188,19 @@ def test_between_rounds_interval() -> None:
     assert b["ratio_geomean"] == pytest.approx(math.exp(mean))
     assert b["ci95_pct"][0] == pytest.approx(100 * (math.exp(mean - half) - 1))
     assert b["ci95_pct"][1] == pytest.approx(100 * (math.exp(mean + half) - 1))
-    assert b["verdict"] == "parity"  # about ±1.0%... inside the band only when the half-width is below 1%
-    assert abs(b["ci95_pct"][1]) < 1.0
+    assert b["verdict"] == "parity" and abs(b["ci95_pct"][1]) < 0.6  # about ±0.5%: inside the ±1% band
     # Positive controls: a spread past the band is inconclusive; a shift past it either side is judged so.
     assert summ.between_rounds([1.0, 1.03, 0.97], 1.0)["verdict"] == "inconclusive"
     assert summ.between_rounds([1.05, 1.051, 1.049], 1.0)["verdict"] == "regression"
     assert summ.between_rounds([0.95, 0.951, 0.949], 1.0)["verdict"] == "improvement"
+    with pytest.raises(summ.SummaryError):
+        summ.between_rounds([1.0, 0.0, 1.0], 1.0)
+    # 13 rounds: t(12) = 2.179 from the table, not the normal 1.96
+    many = [1.0 + 0.001 * (i % 3 - 1) for i in range(13)]
+    logs13 = [math.log(r) for r in many]
+    half13 = 2.179 * statistics.stdev(logs13) / math.sqrt(13)
+    assert summ.between_rounds(many, 1.0)["ci95_pct"][1] == pytest.approx(
+        100 * (math.exp(sum(logs13) / 13 + half13) - 1)
+    )
     two = summ.between_rounds([1.0, 1.0], 1.0)
     assert two["ci95_pct"] == [None, None] and two["verdict"] == "inconclusive"

@@ -250,3 +250,18 @@ def test_plan_marks_the_ep1_dispatch_ring_unused_as_install_does():
     for extra in ({"expert_model_parallel_size": 2}, {"moe_bufreuse_ring_identity_dispatch": True}):
         real = next(b for b in plan_config({**fields, **extra}).buffers if b.buffer == "dispatch")
         assert real.unused is None and real.persistent_bytes == real.minimum * real.slot_bytes > 0
+
+
+def test_an_unused_dispatch_ring_is_never_too_small():
+    # One expert, bf16 GEMMs save the slot, PP 4: the dispatch minimum is well above 1 slot -- for a ring that
+    # install() never registers at EP = 1, so the plan is fine and exits 0.
+    fields = {
+        "num_layers": 8, "pipeline_model_parallel_size": 4, "num_microbatches": 8, "num_moe_experts": 1,
+        "moe_router_topk": 1, "moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": 1, "bf16": True,
+        "moe_hybridep_reuse_dispatch_output_buffers": True, "moe_hybridep_num_dispatch_output_buffers": 1,
+    }  # fmt: skip
+    dispatch = next(b for b in plan_config(fields).buffers if b.buffer == "dispatch")
+    assert dispatch.unused and dispatch.minimum > 1 and dispatch.ok and dispatch.cycle is None
+    # Positive control: the same schedule at EP = 2 is a real ring, too small at 1 slot.
+    real = next(b for b in plan_config({**fields, "expert_model_parallel_size": 2}).buffers if b.buffer == "dispatch")
+    assert real.unused is None and not real.ok and real.minimum > 1

@@ -201,6 +201,9 @@ def _planner_depth(adv: Advice, fields: Mapping[str, Any], wanted: list[str], nu
     for b in plan.buffers:
         if b.buffer not in wanted:
             continue
+        if b.unused:
+            adv.depth_notes.append(f"planner: {b.ring} is not used ({b.unused})")
+            continue
         if b.minimum is None:
             adv.depth_notes.append(f"planner: {b.ring} cannot be a ring ({b.rule.reason})")
             continue

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import math
+import os
 import platform
 import socket
 import statistics
@@ -174,6 +175,8 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
         raise InputError(f"--precision must be bf16 or fp8, got {cfg.precision!r}")
     if cfg.schedule not in SCHEDULES:
         raise InputError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.profile:
+        _check_profiler()
     bad = [p for p in cfg.policies if p not in POLICIES]
     if bad or not cfg.policies or len(set(cfg.policies)) != len(cfg.policies):
         raise InputError(f"--policies: a comma list of distinct {', '.join(POLICIES)}, got {','.join(cfg.policies)!r}")
@@ -468,8 +471,20 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
     return result
 
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-_BENCH = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
+_BENCH = str(Path(__file__).resolve().parent) + os.sep
+
+
+def _check_profiler() -> None:
+    """Refuse ``--profile`` up front when another profiler holds the interpreter (Python >= 3.12 allows one)."""
+    import cProfile
+
+    probe = cProfile.Profile()
+    try:
+        probe.enable()
+    except ValueError as e:
+        raise InputError(f"--profile: cannot start cProfile ({e}); run without another profiler") from e
+    probe.disable()
 
 
 def _profile_arm(
@@ -483,8 +498,10 @@ def _profile_arm(
 ) -> dict[str, Any]:
     """One round of ``arm`` under cProfile: per layer call, the function calls (Python and C) and bufreuse's share.
 
-    Counts are exact and machine-independent; times are cProfile's, inflated by its per-call cost (an upper
-    bound on the hooks' host time, comparable between arms of one run). On Python >= 3.12 cProfile sees every
+    Counts are exact and machine-independent (the profiler sees every thread: run it without other threads busy).
+    Times are cProfile's: bufreuse's self time includes the profiler's per-call cost and excludes the torch and
+    standard-library calls bufreuse's functions make, so it is neither a bound nor the hooks' true cost; it
+    compares arms and versions of one run. On Python >= 3.12 cProfile sees every
     thread (autograd's device threads run the backward hooks); on older Pythons only the calling thread.
     """
     import cProfile
@@ -507,12 +524,15 @@ def _profile_arm(
     try:
         _schedule(forward, steps, xs, grads, None)
         _sync(cuda)
+        layer.zero_grad(set_to_none=True)
         prof = cProfile.Profile()
         start = time.perf_counter()
         prof.enable()
-        for _ in range(cfg.steps):
-            _schedule(forward, steps, xs, grads, None)
-        prof.disable()
+        try:
+            for _ in range(cfg.steps):
+                _schedule(forward, steps, xs, grads, None)
+        finally:
+            prof.disable()
         _sync(cuda)
         wall = time.perf_counter() - start
     finally:
@@ -549,8 +569,9 @@ def _profile_summary(profiles: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 p["profiled_wall_us_per_layer_call"] - base["profiled_wall_us_per_layer_call"]
             )
     return {
-        "note": "cProfile, one round per arm after the timed rounds: call counts are exact; times include the "
-        "profiler's own per-call cost (an upper bound, for comparing arms of one run)",
+        "note": "cProfile, one round per arm after the timed rounds: call counts are exact; bufreuse's self time "
+        "includes the profiler's per-call cost and excludes the torch calls bufreuse makes (for comparing arms "
+        "and versions, not the hooks' true cost)",
         "arms": profiles,
     }
 

@@ -131,7 +131,7 @@ def layer(
         typer.Option(
             "--profile",
             help="After the rounds, one cProfile'd round per arm: function calls per layer call (exact) and "
-            "the time in bufreuse's own code (cProfile's, an upper bound).",
+            "bufreuse's own self time (cProfile's clock; excludes the torch calls it makes).",
         ),
     ] = False,
     json_out: Annotated[bool, json_option()] = False,
@@ -162,7 +162,8 @@ def layer(
         band_pct=band_pct,
         profile=profile,
     )
-    with progress_bar("bench layer rounds") as tick:
+    # --profile: no refresh thread (on Python >= 3.12 cProfile counts every thread's calls)
+    with progress_bar("bench layer rounds", refresh_thread=not profile) as tick:
         result = run_layer_bench(cfg, progress=tick)
     if output is not None:
         from bufreuse.fsutil import atomic_write_json

@@ -76,6 +76,8 @@ class BufferPlan:
 
     @property
     def ok(self) -> bool:
+        if self.unused:
+            return True  # install() registers no ring: no slot count can be short
         if self.minimum is None:
             return False
         return self.configured == AUTO or int(self.configured) >= self.minimum
@@ -365,6 +367,7 @@ def plan_config(
                 "at EP = 1 the all-to-all dispatch returns its input (no ring, and no allocation in the control)"
             )
             plan.pending_count = 0
+            plan.cycle = None
     return PlanReport(spec=spec, layers_per_chunk=layers, buffers=plans, tokens=tokens, path=path, lag_steps=lag_steps)
 
 
