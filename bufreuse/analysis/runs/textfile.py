@@ -31,6 +31,7 @@ __all__ = [
     "MAX_LINE_CHARS",
     "MAX_LOG_BYTES",
     "LogBudgetError",
+    "LogLines",
     "check_log_text",
     "iter_log_lines",
     "read_log",
@@ -230,19 +231,35 @@ def read_log_text(path: str | os.PathLike[str], *, max_bytes: int | None = None)
     return read_log(path, max_bytes=max_bytes)[0]
 
 
-def iter_log_lines(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Iterator[str]:
+class LogLines:
     """The lines of one log file, line ends kept, checked as :func:`read_log` checks them.
 
+    Iterate once; afterwards ``warning`` says whether a gzip stream was cut (as :func:`read_log`'s).
+    A ``"\\r\\n"`` split across two pieces stays one line end (as ``str.splitlines`` on the whole text).
     Memory: one :data:`CHUNK_BYTES` piece plus the longest line, however long the log.
     """
-    reader = _LogReader(Path(path), max_bytes)
-    rest = ""
-    for piece in reader.pieces():
-        lines = (rest + piece).splitlines(keepends=True)
-        rest = lines.pop() if lines and not lines[-1].endswith(_LINE_ENDS) else ""
-        yield from lines
-    if rest:
-        yield rest
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+        self._reader = _LogReader(Path(path), max_bytes)
+
+    @property
+    def warning(self) -> str | None:
+        return self._reader.warning
+
+    def __iter__(self) -> Iterator[str]:
+        rest = ""
+        for piece in self._reader.pieces():
+            lines = (rest + piece).splitlines(keepends=True)
+            # an open last line, or one ending in "\r" whose "\n" may start the next piece, waits for it
+            rest = lines.pop() if lines and (lines[-1].endswith("\r") or not lines[-1].endswith(_LINE_ENDS)) else ""
+            yield from lines
+        if rest:
+            yield rest
+
+
+def iter_log_lines(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Iterator[str]:
+    """The lines of one log file, line ends kept (:class:`LogLines` without the gzip warning)."""
+    return iter(LogLines(path, max_bytes=max_bytes))
 
 
 def check_log_text(p: Path, text: str) -> str:
