@@ -150,14 +150,19 @@ class IterationTable(Sequence[IterationRecord]):
         col["fields"] = np.frombuffer(self._fields, dtype=np.uint8)
         col["flags"] = np.frombuffer(self._flags, dtype=np.uint8)
         col.update({f"mem:{n}": np.frombuffer(a, dtype=np.float64) for n, a in self._memory.items()})
+        self._cols, self._memory = {}, {}  # the views hold the buffers now: each goes with its view
+        self._fields = self._flags = array("B")
         it = col["iteration"]
         skipped = np.zeros(self._n, dtype=bool)
         keep: np.ndarray | None = None
         if self._n > 1 and not bool(np.all(it[1:] > it[:-1])):
             keep = self._merge(col, skipped)
+        del it
         self._resolve_capture(col, skipped, capture_pending)
+        del skipped
         if keep is not None:
-            col = {n: a[keep] for n, a in col.items()}
+            for name in list(col):  # one column at a time: the full one is dropped as its copy is made
+                col[name] = col[name][keep]
         self._final = col
         self._n = int(col["iteration"].size)
         self._set_windows(log_interval)
@@ -171,9 +176,13 @@ class IterationTable(Sequence[IterationRecord]):
         it, fields, flags = col["iteration"], col["fields"], col["flags"]
         e, t = col["elapsed_ms"], col["tflops"]
         order = np.argsort(it, kind="stable")
-        sorted_it = it[order]
-        starts = np.flatnonzero(np.r_[True, sorted_it[1:] != sorted_it[:-1]])
-        sizes = np.diff(np.r_[starts, order.size])
+        first = np.ones(it.size, dtype=bool)  # the first row of an iteration's copies, in sorted order
+        np.not_equal(it[order[1:]], it[order[:-1]], out=first[1:])
+        starts = np.flatnonzero(first)
+        del first
+        sizes = np.diff(starts, append=it.size)
+        copied = sizes > 1
+        starts, sizes = starts[copied], sizes[copied]
         keep = np.ones(it.size, dtype=bool)
         conflicts = []
 
@@ -181,21 +190,22 @@ class IterationTable(Sequence[IterationRecord]):
             f = int(flags[r])
             return (float(e[r]) if f & 1 else None, float(t[r]) if f & 2 else None)
 
-        for s, size in zip(starts[sizes > 1].tolist(), sizes[sizes > 1].tolist(), strict=True):
-            rows = order[s : s + size].tolist()
-            keep[rows] = False
-            kept = rows[0]
-            conflict = False
-            for r in rows[1:]:
-                if fields[kept] == fields[r] and timing(kept) != timing(r):
-                    conflict = True
-                if fields[kept] > fields[r]:
-                    skipped[r] = True  # a fragment never replaces a more complete copy
-                else:
-                    kept = r
-            keep[kept] = True
-            if conflict:
-                conflicts.append(int(sorted_it[s]))
+        for at in range(0, starts.size, 4096):  # Python lists of 4,096 groups at a time
+            for s, size in zip(starts[at : at + 4096].tolist(), sizes[at : at + 4096].tolist(), strict=True):
+                rows = order[s : s + size].tolist()
+                keep[rows] = False
+                kept = rows[0]
+                conflict = False
+                for r in rows[1:]:
+                    if fields[kept] == fields[r] and timing(kept) != timing(r):
+                        conflict = True
+                    if fields[kept] > fields[r]:
+                        skipped[r] = True  # a fragment never replaces a more complete copy
+                    else:
+                        kept = r
+                keep[kept] = True
+                if conflict:
+                    conflicts.append(int(it[kept]))
         self.conflicts = conflicts  # ascending: the groups are visited in iteration order
         return keep
 
