@@ -165,7 +165,7 @@ class IterationTable(Sequence[IterationRecord]):
                 col[name] = col[name][keep]
         self._final = col
         self._n = int(col["iteration"].size)
-        self._set_windows(log_interval)
+        self._set_windows(log_interval, in_order=keep is None)
 
     def _merge(self, col: dict[str, np.ndarray], skipped: np.ndarray) -> np.ndarray:
         """Rows to keep: one per iteration, its most complete copy (the last of equals), in log order.
@@ -221,12 +221,13 @@ class IterationTable(Sequence[IterationRecord]):
             pending = pending or reached.size < marks.size
         self.capture_unresolved = pending
 
-    def _set_windows(self, log_interval: str | None) -> None:
+    def _set_windows(self, log_interval: str | None, *, in_order: bool) -> None:
         """Each row's window: ``min(gap to the previous logged iteration, logging interval)``, at least 1.
 
         Megatron averages a line over the ``log_interval`` iterations before it, so a longer gap
         (lines cut or lost) still weighs one interval; without ``log_interval`` printed the most
-        common gap (the smallest of ties) stands in.
+        common gap (the smallest of ties) stands in. ``in_order``: rows are in iteration order already
+        (no sort needed: the usual log).
         """
         col = self._final
         assert col is not None
@@ -235,9 +236,8 @@ class IterationTable(Sequence[IterationRecord]):
         col["window"] = windows
         if not it.size:
             return
-        order = np.argsort(it, kind="stable")
-        ordered = it[order]
-        gaps = np.diff(ordered)
+        order = None if in_order else np.argsort(it, kind="stable")
+        gaps = np.diff(it if order is None else it[order])
         try:
             interval = int(log_interval or "")
             known = interval >= 1
@@ -247,13 +247,19 @@ class IterationTable(Sequence[IterationRecord]):
             if gaps.size:
                 values, counts = np.unique(gaps, return_counts=True)
                 interval = int(values[np.argmax(counts)])
+                del values, counts
             else:
                 interval = 1
         interval = min(max(1, interval), _INT64_MAX)
-        windows[order[0]] = max(1, min(int(ordered[0]), interval))
-        windows[order[1:]] = np.clip(gaps, 1, interval)
         self.interval, self.known_interval = interval, known
         self.long_gaps = int(np.count_nonzero(gaps > interval))
+        first = 0 if order is None else int(order[0])
+        windows[first] = max(1, min(int(it[first]), interval))
+        np.minimum(gaps, interval, out=gaps)  # gaps are >= 1: the iterations are distinct
+        if order is None:
+            windows[1:] = gaps
+        else:
+            windows[order[1:]] = gaps
 
     # -- reading -------------------------------------------------------------------------------------------
 
