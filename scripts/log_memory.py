@@ -88,6 +88,7 @@ _TEN_ITERATIONS = "".join(f" iteration {i}/ 10 | elapsed time per iteration (ms)
 def _chunks(kind: str, *, lines: int | None, max_bytes: int | None) -> Iterator[str]:
     make, done, start = _SHAPES[kind], 0, 1
     if kind in ("memory", "args"):
+        done = len(_TEN_ITERATIONS)
         yield _TEN_ITERATIONS
     while lines is None or start <= lines:
         n = _BLOCK if lines is None else min(_BLOCK, lines - start + 1)

@@ -21,7 +21,9 @@ import math
 import os
 from array import array
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from bufreuse.analysis.runs.comparability import run_config
 from bufreuse.analysis.runs.hostlist import HostSet, hosts_from_names, parse_hostlist
@@ -32,9 +34,6 @@ from bufreuse.errors import ConfigError, InputError, LogFormatError
 from bufreuse.fsutil import read_json
 from bufreuse.limits import BudgetExceededError
 from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = ["resolve_runs", "snapshot_label"]
 
@@ -183,10 +182,14 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     if not rows.size:
         raise LogFormatError(f"{path}: no steady-state iterations: {describe_dropped(dropped, warmup=warmup)}")
     run = RunRecord(label=label, source=path, kind="megatron", dropped=dropped, warnings=list(log.warnings))
-    run.step_ms, run.step_windows = _series(log, rows, "elapsed_ms")
-    run.tflops, run.tflops_windows = _series(log, rows, "tflops")
-    if run.tflops_windows == run.step_windows:
-        run.tflops_windows = run.step_windows  # one copy: compare holds every run's series at once
+    table = log.iterations
+    timed, rated = rows[table.present("elapsed_ms")[rows]], rows[table.present("tflops")[rows]]
+    del rows
+    run.step_ms, run.step_windows = _column(log, timed, "elapsed_ms"), _column(log, timed, "window")
+    run.tflops = _column(log, rated, "tflops")
+    # one copy of the windows when both series have the same rows: compare holds every run's series at once
+    run.tflops_windows = run.step_windows if np.array_equal(timed, rated) else _column(log, rated, "window")
+    del timed, rated
     run.config = run_config(log.args)
     for attr, target in (
         ("max_allocated_mib", "max_allocated_bytes"),
@@ -203,14 +206,16 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     return run
 
 
-def _series(log: MegatronLog, rows: np.ndarray, name: str) -> tuple[array[float], array[int]]:
-    """The steady ``rows`` that printed figure ``name``: its values and their windows, 8 bytes each."""
+def _column(log: MegatronLog, rows: np.ndarray, name: str) -> array[Any]:
+    """Column ``name`` of ``log.iterations`` at ``rows``: an ``array`` of 8 bytes a value, written in place."""
     table = log.iterations
-    rows = rows[table.present(name)[rows]]
-    values, windows = array("d"), array("q")
-    values.frombytes(memoryview(table.column(name)[rows]).cast("B"))
-    windows.frombytes(memoryview(table.column("window")[rows]).cast("B"))
-    return values, windows
+    if name == "window":
+        out: array[Any] = array("q", [0]) * rows.size
+        np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.int64))
+    else:
+        out = array("d", [0.0]) * rows.size
+        np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.float64))
+    return out
 
 
 def _from_snapshot(path: Path) -> RunRecord:

@@ -89,17 +89,17 @@ def _boot_stat(values: np.ndarray, weights: np.ndarray, idx: np.ndarray, stat: s
     return (v[rows, lo] + v[rows, hi]) / 2
 
 
-def _boot_medians(values: np.ndarray, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
+def _boot_medians(ordered: np.ndarray, w: np.ndarray | None, order: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """:func:`_boot_stat`'s medians in O(windows) per resample: counts of each window, not a sort.
 
-    The values are sorted once; a resample is how often it drew each window, so its cumulative weight
-    over the sorted values finds the same two middle elements the sorted resample has (equal results).
+    ``ordered`` are the values sorted once (``order``), ``w`` their weights (None: all 1); a resample is
+    how often it drew each window, so its cumulative weight over the sorted values finds the same two
+    middle elements the sorted resample has (equal results).
     """
-    order = np.argsort(values, kind="stable")
-    ordered, w = values[order], weights[order].astype(float)
     out = np.empty(idx.shape[0])
     for r, row in enumerate(idx):
-        cum = np.cumsum(np.bincount(row, minlength=values.size)[order] * w)
+        counts = np.bincount(row, minlength=order.size)[order]
+        cum = np.cumsum(counts if w is None else counts * w)
         half = cum[-1] / 2
         lo, hi = np.searchsorted(cum, half, side="left"), np.searchsorted(cum, half, side="right")
         out[r] = (ordered[lo] + ordered[hi]) / 2
@@ -116,11 +116,15 @@ def _bootstrap(values: np.ndarray, weights: np.ndarray, rng: np.random.Generator
     """``stat`` of ``n_boot`` resamples, drawn :data:`_BOOT_CELLS` at a time (the same draws as all at once)."""
     n = values.size
     step = max(1, _BOOT_CELLS // n)
+    by_sort = stat == "mean" or n < _SORT_BELOW
+    if not by_sort:
+        order = np.argsort(values, kind="stable")
+        ordered = values[order]
+        w = None if int(weights.max()) == 1 else weights[order].astype(float)
     parts = []
     for start in range(0, n_boot, step):
         idx = rng.integers(0, n, size=(min(step, n_boot - start), n))
-        by_sort = stat == "mean" or n < _SORT_BELOW
-        parts.append(_boot_stat(values, weights, idx, stat) if by_sort else _boot_medians(values, weights, idx))
+        parts.append(_boot_stat(values, weights, idx, stat) if by_sort else _boot_medians(ordered, w, order, idx))
     return np.concatenate(parts)
 
 
