@@ -422,6 +422,8 @@ def test_table_reads_like_the_record_list_it_replaced() -> None:
     assert steady == list(steady) and steady != [] and parse_log_text(short_lines(1)).iterations != rows
     rows[0].tflops = 0.0  # a copy: the table is unchanged
     assert rows[0].tflops == 201.0
+    empty = megatron_log.MegatronLog(source="x")  # a log made by hand reads as one with no lines
+    assert len(empty.iterations) == 0 and list(empty.iterations) == [] and empty.peak("max_reserved_mib") is None
 
 
 def test_iteration_numbers_past_64_bits_are_dropped_and_named() -> None:

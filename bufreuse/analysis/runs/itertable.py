@@ -265,7 +265,10 @@ class IterationTable(Sequence[IterationRecord]):
 
     def _columns(self) -> dict[str, np.ndarray]:
         if self._final is None:
-            raise RuntimeError("IterationTable read before finish()")
+            if self._n:
+                raise RuntimeError("IterationTable read before finish()")
+            self.finish(log_interval=None, capture_pending=False)  # an empty table reads as one
+        assert self._final is not None
         return self._final
 
     def __len__(self) -> int:

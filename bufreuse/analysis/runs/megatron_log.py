@@ -91,6 +91,7 @@ only raise the peaks, and a warning counts them, so a log repeating one report c
 MAX_ARGS = 10_000
 """Printed arguments kept (Megatron prints under 1,000), and at most :data:`_MAX_ARG_CHARS` characters of them."""
 _MAX_ARG_CHARS = 8 << 20
+_MEMORY_ATTRS = ("allocated_mib", "max_allocated_mib", "reserved_mib", "max_reserved_mib", "device_used_mib")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -497,9 +498,6 @@ def _parse(raw: Iterable[str], *, source: str) -> MegatronLog:
         what = describe_unknown(head) if binary else unknown.describe()
         raise LogFormatError(f"{source}: no Megatron iteration lines: {what}")
     return log
-
-
-_MEMORY_ATTRS = ("allocated_mib", "max_allocated_mib", "reserved_mib", "max_reserved_mib", "device_used_mib")
 
 
 def parse_log(path: str | os.PathLike[str]) -> MegatronLog:

@@ -7,8 +7,9 @@ inflated piece by piece within ``max_log_bytes``, and each piece is checked as i
 binary file, a line longer than any real log line (``max_log_line_bytes``) or a number of a
 thousand digits (no grammar can use one; ``int()`` of one past 4,300 digits raises) is refused
 with one :class:`~bufreuse.errors.LogFormatError` as soon as it is seen. Undecodable bytes become
-U+FFFD (a log cut mid-character by a killed job must still parse). :func:`iter_log_lines` yields
-lines one by one, so a reader that keeps no per-line state needs memory independent of the log's size.
+U+FFFD (a log cut mid-character by a killed job must still parse). :class:`LogLines` yields lines
+one by one (the parser reads a log so), so a reader that keeps no per-line state needs memory
+independent of the log's size.
 """
 
 from __future__ import annotations
