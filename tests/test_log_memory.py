@@ -64,14 +64,15 @@ def test_row_width_is_eight_bytes_a_column_plus_two_flag_bytes() -> None:
 
 def test_parsed_log_keeps_a_few_bytes_per_iteration_line_not_an_object() -> None:
     """40,000 iteration lines: the parsed log keeps under 1.25 x the row width per line and parsing peaks
-    under 1.5 x (merging and windows need a few columns more); one IterationRecord object each would not fit."""
+    under 1.35 x (the windows need a column or two more for a moment; one column of Python ints, 36 bytes a
+    line, would pass it); one IterationRecord object each would not fit."""
     n = 40_000
     text = short_lines(n)
     log, kept, peak = _retained_and_peak(lambda: parse_log_text(text))
     assert len(log.iterations) == n
     bound = 1.25 * ROW_BYTES
     assert kept / n < bound, f"{kept / n:.0f} bytes kept per iteration line"
-    assert peak / n < 1.5 * ROW_BYTES, f"{peak / n:.0f} bytes per line at the peak"
+    assert peak / n < 1.35 * ROW_BYTES, f"{peak / n:.0f} bytes per line at the peak"
     # positive control: the per-line objects the parser used to keep (one record each) fail the same bound
     records, objects, _ = _retained_and_peak(lambda: list(log.iterations))
     assert len(records) == n and objects / n > 2 * bound, f"{objects / n:.0f} bytes per record object"
