@@ -11,12 +11,14 @@ from bufreuse.analysis.runs.grammars import FIELDS, GRAMMARS, FieldGrammar, Line
 from bufreuse.analysis.runs.hostlist import MAX_EXPANDED_HOSTS, HostSet, parse_hostlist
 from bufreuse.analysis.runs.megatron_log import (
     IterationRecord,
+    IterationTable,
     MegatronLog,
     MemoryRecord,
     expand_hostlist,
     parse_log,
     parse_log_text,
     steady_iterations,
+    steady_rows,
 )
 from bufreuse.analysis.runs.record import BUFFER_ALIASES, MIB, RunRecord, normalise_buffer, parse_slot_sizes
 from bufreuse.analysis.runs.resolve import resolve_runs
@@ -47,6 +49,7 @@ __all__ = [
     "FieldGrammar",
     "HostSet",
     "IterationRecord",
+    "IterationTable",
     "LineGrammar",
     "MegatronLog",
     "MemoryRecord",
@@ -77,5 +80,6 @@ __all__ = [
     "run_stats",
     "scope_conflict",
     "steady_iterations",
+    "steady_rows",
     "summarise",
 ]

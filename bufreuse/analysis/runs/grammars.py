@@ -21,9 +21,11 @@ __all__ = [
     "MEMORY_FIELDS",
     "FieldGrammar",
     "LineGrammar",
+    "UnknownLines",
     "clean_text",
     "describe_unknown",
     "grammar",
+    "strip_ansi",
 ]
 
 NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
@@ -200,10 +202,13 @@ def grammar(name: str) -> LineGrammar:
 
 
 def clean_text(text: str) -> str:
-    """``text`` without ANSI escape codes (colour, cursor) and with CRLF / CR line ends as LF."""
-    if "\x1b" in text:
-        text = _ANSI_RE.sub("", text)
-    return text.replace("\r\n", "\n")
+    """``text`` without ANSI escape codes (colour, cursor) and with CRLF line ends as LF."""
+    return strip_ansi(text).replace("\r\n", "\n")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without ANSI escape codes (no code holds a line end, so lines can be stripped one by one)."""
+    return _ANSI_RE.sub("", text) if "\x1b" in text else text
 
 
 _ITER_ANY = re.compile(r"\biteration\s+\d+\s*/\s*\d+")
@@ -212,20 +217,55 @@ _LABEL = re.compile(r"\|\s*([A-Za-z][^:|]{0,60}?)\s*:")
 
 def describe_unknown(text: str) -> str:
     """What the parser looked for and what ``text`` holds instead, for a "no iteration lines" error."""
-    wanted = (
-        "looked for iteration lines 'iteration N/ M | ... | <timing field>: X |' with a timing field "
-        f"({', '.join(repr(f.label) for f in FIELDS.values() if f.attr in TIMING_ATTRS)})"
-    )
     if "\x00" in text[:4096] or text[:1] == "\ufffd":
-        return f"{wanted}; found binary data instead (an allocator snapshot? use snapshot-report)"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    iteration_lines = [ln for ln in lines if _ITER_ANY.search(ln)]
-    if iteration_lines:
-        labels: dict[str, None] = {}
-        for ln in iteration_lines[:50]:
-            labels.update(dict.fromkeys(m.group(1) for m in _LABEL.finditer(ln)))
-        shown = ", ".join(repr(x) for x in list(labels)[:8]) or "none"
-        return f"{wanted}; found {len(iteration_lines)} 'iteration N/M' line(s) without one, with fields {shown}"
-    first = lines[0] if lines else ""
-    clip = first if len(first) <= 100 else first[:100] + "…"
-    return f"{wanted}; found {len(lines)} other non-empty line(s) instead, the first: {clip!r}"
+        return f"{_WANTED}; found binary data instead (an allocator snapshot? use snapshot-report)"
+    seen = UnknownLines()
+    for line in text.splitlines():
+        seen.add(line)
+    return seen.describe()
+
+
+_WANTED = (
+    "looked for iteration lines 'iteration N/ M | ... | <timing field>: X |' with a timing field "
+    f"({', '.join(repr(f.label) for f in FIELDS.values() if f.attr in TIMING_ATTRS)})"
+)
+
+
+class UnknownLines:
+    """What a log holds instead of iteration lines, gathered one line at a time in bounded memory.
+
+    The parser feeds it the lines it could not read and describes them in its "no iteration lines"
+    error; it keeps counts, the first line and the first field labels, never the lines.
+    """
+
+    __slots__ = ("first", "iteration_lines", "labels", "lines")
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.iteration_lines = 0
+        self.labels: dict[str, None] = {}
+        self.first = ""
+
+    def add(self, line: str) -> None:
+        """Count one line (labels are read from the first 50 'iteration N/M' lines, 8 kept)."""
+        line = line.strip()
+        if not line:
+            return
+        if not self.lines:
+            self.first = line
+        self.lines += 1
+        if _ITER_ANY.search(line):
+            self.iteration_lines += 1
+            if self.iteration_lines <= 50 and len(self.labels) < 8:
+                for m in _LABEL.finditer(line):
+                    self.labels.setdefault(m.group(1), None)
+                    if len(self.labels) == 8:
+                        break
+
+    def describe(self) -> str:
+        """The looked-for shape and what was found instead."""
+        if self.iteration_lines:
+            shown = ", ".join(repr(x) for x in self.labels) or "none"
+            return f"{_WANTED}; found {self.iteration_lines} 'iteration N/M' line(s) without one, with fields {shown}"
+        clip = self.first if len(self.first) <= 100 else self.first[:100] + "…"
+        return f"{_WANTED}; found {self.lines} other non-empty line(s) instead, the first: {clip!r}"

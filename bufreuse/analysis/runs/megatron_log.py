@@ -12,34 +12,46 @@ colour codes, CRLF and gzip'd files are handled; lines of several ranks may inte
 It trusts an iteration field only when its closing ``|`` was written, and drops memory reports
 from an unterminated last line, so a truncated number is never read as a value. An iteration
 logged more than once keeps its most complete copy (a fragment cut by another rank's output
-never replaces a complete line). One pass over the text.
+never replaces a complete line).
+
+One pass over the lines as they are read (:class:`~.textfile.LogLines`): the text is never held
+whole, iteration lines become rows of an :class:`~.itertable.IterationTable` (a fixed few bytes
+each, at most ``max_log_iterations`` of them), and everything else kept is capped (memory reports,
+arguments, repeated warnings), so reading a log needs memory bounded by the budgets, not by its size.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from bufreuse.analysis.runs.grammars import (
     FIELDS,
     MEMORY_FIELDS,
     TIMING_ATTRS,
-    clean_text,
+    UnknownLines,
     describe_unknown,
     grammar,
+    strip_ansi,
 )
 from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
-from bufreuse.analysis.runs.textfile import read_log
+from bufreuse.analysis.runs.itertable import IterationRecord, IterationTable
+from bufreuse.analysis.runs.textfile import LogLines
 from bufreuse.errors import LogFormatError
-from bufreuse.limits import Limits
+from bufreuse.limits import Limits, current
 
 __all__ = [
+    "MAX_ARGS",
     "MAX_LOG_BYTES",
+    "MAX_MEMORY_RECORDS",
     "IterationRecord",
+    "IterationTable",
     "MegatronLog",
     "MemoryRecord",
     "describe_dropped",
@@ -47,6 +59,7 @@ __all__ = [
     "parse_log",
     "parse_log_text",
     "steady_iterations",
+    "steady_rows",
 ]
 
 MAX_LOG_BYTES = Limits().max_log_bytes
@@ -70,38 +83,15 @@ _FILE_JOBID_RE = re.compile(r"(?:^slurm-(\d+)|[-_](\d+))\.(?:out|err)(?:\.gz)?$|
 """``slurm-NNN[.out]`` (sbatch's default) or ``name-NNN.out`` / ``name_NNN.err`` (``--output=name-%j.out``)."""
 _MEM_LABEL_RE = re.compile(r"mem", re.IGNORECASE)
 _MEM_VALUE_RE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?:GB|GiB|G)?\s*(?:/|$)")
+_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # what str.splitlines splits on
 
-
-@dataclass(kw_only=True, slots=True)
-class IterationRecord:
-    """One logged iteration line: the averages over its logging window of ``window`` iterations."""
-
-    iteration: int
-    """Iteration number as printed (the last iteration of the logging window)."""
-    total: int
-    """``train_iters`` as printed."""
-    elapsed_ms: float | None
-    """Mean wall time per iteration over the window."""
-    tflops: float | None
-    """Throughput per GPU; None when the run logged none (``--log-throughput`` off)."""
-    loss: float | None
-    """``lm loss`` (NaN/inf kept as such; None when not printed, as Megatron does for NaN)."""
-    samples_per_s: float | None = None
-    skipped: int = 0
-    nan: int = 0
-    window: int = 1
-    """Iterations the line averages over (the gap to the previous logged iteration)."""
-    fields: int = 0
-    """Fields read from the line (the most complete copy of a duplicated line wins)."""
-    line: int = 0
-    """1-based line number in the log, for messages."""
-    memory_mib: dict[str, float] = field(default_factory=dict)
-    """Memory fields of the line (:data:`~.grammars.MEMORY_FIELDS`) by :class:`MemoryRecord` attribute, in MiB."""
-
-    @property
-    def clean(self) -> bool:
-        """True when the window had no skipped or NaN iteration and a finite (or absent) loss."""
-        return self.skipped == 0 and self.nan == 0 and (self.loss is None or math.isfinite(self.loss))
+MAX_MEMORY_RECORDS = 16_384
+"""``memory (MB)`` reports kept as :class:`MemoryRecord` (Megatron prints one per rank, once); the rest
+only raise the peaks, and a warning counts them, so a log repeating one report cannot grow without bound."""
+MAX_ARGS = 10_000
+"""Printed arguments kept (Megatron prints under 1,000), and at most :data:`_MAX_ARG_CHARS` characters of them."""
+_MAX_ARG_CHARS = 8 << 20
+_MEMORY_ATTRS = ("allocated_mib", "max_allocated_mib", "reserved_mib", "max_reserved_mib", "device_used_mib")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,9 +115,13 @@ class MegatronLog:
     """Everything the compare step needs from one log file."""
 
     source: str
-    iterations: list[IterationRecord] = field(default_factory=list)
-    """One record per iteration number, in log order (duplicates from several ranks merged)."""
+    iterations: IterationTable = field(default_factory=IterationTable)
+    """One row per iteration number, in log order (duplicates from several ranks merged); reads as a
+    sequence of :class:`IterationRecord` made on access, and gives whole columns (:class:`IterationTable`)."""
     memory: list[MemoryRecord] = field(default_factory=list)
+    """The first :data:`MAX_MEMORY_RECORDS` memory reports (later ones only raise ``memory_overflow``)."""
+    memory_overflow: dict[str, float] = field(default_factory=dict)
+    """Peaks (MiB, by :class:`MemoryRecord` attribute) of the reports past :data:`MAX_MEMORY_RECORDS`."""
     capture_iteration: int | None = None
     """First iteration logged after a CUDA-graph capture message (its time includes the capture)."""
     args: dict[str, str] = field(default_factory=dict)
@@ -148,9 +142,9 @@ class MegatronLog:
         Without any such report, the same figure from iteration lines' memory fields (ms-swift, Primus).
         """
         values = [getattr(m, attr) for m in self.memory if getattr(m, attr) is not None]
-        if not values:
-            values = [r.memory_mib[attr] for r in self.iterations if attr in r.memory_mib]
-        return max(values) if values else None
+        if attr in self.memory_overflow:
+            values.append(self.memory_overflow[attr])
+        return max(values) if values else self.iterations.memory_peak(attr)
 
 
 def _number(text: str) -> float | None:
@@ -170,6 +164,21 @@ def _number(text: str) -> float | None:
 _COUNT_ATTRS = ("skipped", "nan")
 
 
+class _Tally:
+    """How often something happened and its first instance, in constant memory (for one warning)."""
+
+    __slots__ = ("count", "first")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: str | None = None
+
+    def append(self, item: str) -> None:
+        if not self.count:
+            self.first = item
+        self.count += 1
+
+
 def _is_count(value: float) -> bool:
     """A finite whole number >= 0: what a skipped / nan iterations field must hold to count."""
     return math.isfinite(value) and value >= 0 and value == int(value)
@@ -179,13 +188,14 @@ def _iterations(
     line: str,
     lineno: int,
     pairs: list[int],
-    odd_fields: list[str],
+    odd_fields: _Tally,
     *,
     terminated: bool = True,
     fallback: dict[str, float] | None = None,
     unknown_memory: dict[str, None] | None = None,
-) -> list[IterationRecord]:
-    """Every iteration record on ``line`` (two ranks' lines can share one); ``pairs`` counts current/average.
+) -> list[tuple[int, int, dict[str, float], dict[str, float]]]:
+    """Every iteration record on ``line`` (two ranks' lines can share one): ``(iteration, train_iters,
+    figures by IterationRecord attribute, memory fields in MiB)``; ``pairs`` counts current/average.
 
     A known field with no usable value (markup or U+FFFD glued to the number, a count that is
     ``nan``, ``inf``, ``-1`` or ``2.5``) is dropped and named in ``odd_fields``. A NeMo line's last
@@ -232,21 +242,7 @@ def _iterations(
             values.setdefault(attr, v)
         if not any(a in values for a in TIMING_ATTRS):
             continue
-        out.append(
-            IterationRecord(
-                iteration=int(m.group(1)),
-                total=int(m.group(2)),
-                elapsed_ms=values.get("elapsed_ms"),
-                tflops=values.get("tflops"),
-                loss=values.get("loss"),
-                samples_per_s=values.get("samples_per_s"),
-                skipped=int(values.get("skipped", 0)),
-                nan=int(values.get("nan", 0)),
-                fields=len(values) + len(memory),
-                line=lineno,
-                memory_mib=memory,
-            )
-        )
+        out.append((int(m.group(1)), int(m.group(2)), values, memory))
     return out
 
 
@@ -286,33 +282,94 @@ def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
 
     Raises:
         LogFormatError: empty, or no iteration line (the message says what was looked for and found).
+        LogBudgetError: more iteration lines than the ``max_log_iterations`` budget.
     """
-    return _parse([text], source=source)
+    return _parse(_split(text), source=source)
 
 
-def _parse(box: list[str], *, source: str) -> MegatronLog:
-    """Parse the text ``box`` holds, taking it out of the box: once split into lines the text is dropped,
-    and each line once read, so a large log is held about once (not as text, cleaned text and lines)."""
+def _split(text: str) -> Iterator[str]:
+    """The lines of ``text``, line ends kept, one at a time (as :class:`LogLines` reads a file)."""
+    start, n = 0, len(text)
+    while start < n:
+        end = text.find("\n", start)
+        chunk = text[start : n if end < 0 else end + 1]
+        yield from chunk.splitlines(keepends=True)  # the rarer line ends (\r, \f, U+2028) inside it
+        start += len(chunk)
+
+
+def _clean_lines(raw: Iterable[str], state: dict[str, object]) -> Iterator[tuple[int, str, bool]]:
+    r"""``(line number, line, terminated)`` as ``clean_text(whole text).splitlines()`` would give them.
+
+    Works on lines with their ends (``raw``), so the text is never held whole. ``clean_text`` strips
+    ANSI codes, then turns each ``"\r\n"`` into ``"\n"``, and ``splitlines`` reads ``"\r\n"`` as one
+    line end: codes between ``"\r"`` and ``"\n"`` (``"\r\x1b[0m\n"``), which split them into two raw
+    lines, make each of those steps join two pieces here. A last line of nothing but codes is no line.
+    ``terminated``: the line has an end (all but a last line cut by a killed job). Sets
+    ``state["content"]`` (any non-space text), ``state["head"]`` (the first 4 KiB, for the binary
+    check) and ``state["partial"]``.
+    """
+    content = False
+
+    def replaced() -> Iterator[str]:  # the pieces of the stripped text after "\r\n" -> "\n"
+        nonlocal content
+        prev: str | None = None
+        for r in raw:
+            if not content and not r.isspace():
+                content = True
+            s = strip_ansi(r)
+            if not s:
+                continue  # the last line, nothing but codes
+            if prev is not None:
+                if prev.endswith("\r") and s == "\n":
+                    s, prev = prev[:-1] + "\n", None  # a "\r\n" split by codes
+                else:
+                    yield prev[:-2] + "\n" if prev.endswith("\r\n") else prev
+            prev = s
+        if prev is not None:
+            yield prev[:-2] + "\n" if prev.endswith("\r\n") else prev
+
+    head: list[str] = []
+    head_len, n = 0, 0
+    pending: str | None = None
+    for t in replaced():
+        if head_len < 4096:
+            head.append(t[: 4096 - head_len])
+            head_len += len(head[-1])
+        if pending is not None:
+            if pending.endswith("\r") and t == "\n":
+                pending = pending[:-1] + "\n"  # "\r\n" is one line end
+                continue
+            n += 1
+            yield n, pending[:-1] if pending[-1] in _BREAKS else pending, True
+        pending = t
+    state["partial"] = pending is None or not pending.endswith(("\n", "\r"))
+    if pending is not None:
+        yield n + 1, pending[:-1] if pending[-1] in _BREAKS else pending, not state["partial"]
+    state["content"], state["head"] = content, "".join(head)
+
+
+def _parse(raw: Iterable[str], *, source: str) -> MegatronLog:
+    """Parse the lines ``raw`` yields (line ends kept) one at a time, in memory bounded by the budgets."""
     log = MegatronLog(source=source)
-    text = box.pop()
-    if not text or text.isspace():
-        raise LogFormatError(f"{source}: empty log")
-    text = clean_text(text)
-    log.partial_last_line = not text.endswith(("\n", "\r"))
-    head = text[:4096]  # for the "no iteration lines" message (binary data?)
-    lines: list[str | None] = text.splitlines()  # type: ignore[assignment]
-    del text
-    n_lines = len(lines)
-    unread: list[str] = []  # lines with no iteration record: what that message describes when none had one
-    by_iteration: dict[int, IterationRecord] = {}
-    conflicts: set[int] = set()
+    limits = current()
+    table = IterationTable(limit=limits.max_log_iterations, source=source)
+    unknown = UnknownLines()  # what the "no iteration lines" error describes when no line had a record
     capture_pending = False
-    pairs, odd_memory, odd_fields = [0], [], []
+    pairs, odd_memory, odd_fields = [0], _Tally(), _Tally()
+    repeated: dict[str, list[int]] = {}  # per-line warning kind: [its index in log.warnings, lines past the first]
     unknown_memory: dict[str, None] = {}
+    memory_kept, arg_chars, args_dropped = 0, 0, 0
     bridge: dict[str, float] | None = None  # Megatron-Bridge's Step Time line, for the next iteration line
-    for i in range(1, n_lines + 1):
-        line, lines[i - 1] = lines[i - 1], None  # read once: the list holds no text behind the cursor
-        terminated = i < n_lines or not log.partial_last_line
+    state: dict[str, object] = {}
+
+    def warn_once(kind: str, text: str) -> None:
+        if kind in repeated:
+            repeated[kind][1] += 1
+        else:
+            repeated[kind] = [len(log.warnings), 0]
+            log.warnings.append(text)
+
+    for i, line, terminated in _clean_lines(raw, state):
         records = (
             _iterations(line, i, pairs, odd_fields, terminated=terminated, fallback=bridge,
                         unknown_memory=unknown_memory)
@@ -321,50 +378,58 @@ def _parse(box: list[str], *, source: str) -> MegatronLog:
         )  # fmt: skip
         if records:
             bridge = None
-        elif not by_iteration:
-            unread.append(line)
-        for rec in records:
-            old = by_iteration.get(rec.iteration)
-            if old is not None:
-                if (old.elapsed_ms, old.tflops) != (rec.elapsed_ms, rec.tflops) and old.fields == rec.fields:
-                    conflicts.add(rec.iteration)
-                if old.fields > rec.fields:
-                    continue  # a fragment never replaces a more complete copy
-                del by_iteration[rec.iteration]
-            by_iteration[rec.iteration] = rec
-            if capture_pending:
-                log.capture_iteration = rec.iteration
-                capture_pending = False
-        if records:
+            for iteration, total, values, memory in records:
+                if table.append(iteration, total, values, memory, line=i, captured=capture_pending):
+                    capture_pending = False
             continue
+        if not len(table):
+            unknown.add(line)
         if "memory (MB)" in line:
             found = _memory(line, i)
-            if terminated:
-                log.memory.extend(found)
-                if not found:
-                    odd_memory.append(i)
-            elif found:
-                log.warnings.append(f"line {i}: memory report on the unterminated last line ignored")
+            if not terminated:
+                if found:
+                    log.warnings.append(f"line {i}: memory report on the unterminated last line ignored")
+                continue
+            if not found:
+                odd_memory.append(str(i))
+            for rec in found:
+                if memory_kept < MAX_MEMORY_RECORDS:
+                    log.memory.append(rec)
+                    memory_kept += 1
+                    continue
+                for attr in _MEMORY_ATTRS:
+                    v = getattr(rec, attr)
+                    if v is not None and not (v <= log.memory_overflow.get(attr, -math.inf)):
+                        log.memory_overflow[attr] = v
+                warn_once("memory-cap", f"memory reports past the first {MAX_MEMORY_RECORDS:,} are not kept "
+                          "(their peaks are)")  # fmt: skip
             continue
         if "Step Time" in line and (bm := _BRIDGE_RE.search(line)):
             bridge = {"elapsed_ms": float(bm.group(1)) * 1000.0, "tflops": float(bm.group(2))}
             continue
         if "CANCELLED" in line and (cm := _CANCEL_RE.search(line)):
             why = " ".join(cm.group(4).split())
-            log.warnings.append(
-                f"line {i}: the job was cancelled at {cm.group(3)}{' ' + why.lower() if why else ''} "
-                "(slurmstepd): the run did not finish"
-            )
+            warn_once("cancelled", f"line {i}: the job was cancelled at {cm.group(3)}{' ' + why.lower() if why else ''}"
+                      " (slurmstepd): the run did not finish")  # fmt: skip
             continue
         if _CAPTURE_RE.search(line) and "validation" not in line.lower():
             capture_pending = True
             continue
         if "bufreuse-megatron: hooked" in line and "persistent bytes" in line:
             # what install() registered in this run (the ring bytes compare explains the allocated delta with)
-            log.args.setdefault(REGISTERED_ARG, line.split("persistent bytes", 1)[1].split(";", 1)[0].strip())
+            value = line.split("persistent bytes", 1)[1].split(";", 1)[0].strip()
+            if REGISTERED_ARG not in log.args and arg_chars + len(value) <= _MAX_ARG_CHARS:
+                log.args[REGISTERED_ARG] = value
+                arg_chars += len(value)
             continue
         if " ..." in line and (am := _ARG_RE.search(line)):
-            log.args.setdefault(am.group(1), am.group(2))
+            name, value = am.group(1), am.group(2)
+            if name not in log.args:
+                if len(log.args) < MAX_ARGS and arg_chars + len(name) + len(value) <= _MAX_ARG_CHARS:
+                    log.args[name] = value
+                    arg_chars += len(name) + len(value)
+                else:
+                    args_dropped += 1
             continue
         if "using world size" in line and (wm := _WORLD_RE.search(line)):
             log.args.setdefault("world_size", wm.group(1))
@@ -375,116 +440,115 @@ def _parse(box: list[str], *, source: str) -> MegatronLog:
             try:
                 log.nodes = parse_hostlist(nm.group(1))
             except ValueError as e:
-                log.warnings.append(f"line {i}: {e}")
+                warn_once("nodelist", f"line {i}: {e}")
         if log.job_id is None and (jm := _JOBID_RE.search(line)):
             log.job_id = jm.group(1)
-    log.iterations = sorted(by_iteration.values(), key=lambda r: r.line)
-    _set_windows(log)
-    if conflicts:
-        shown = ", ".join(str(c) for c in sorted(conflicts)[:5])
+    if not state["content"]:
+        raise LogFormatError(f"{source}: empty log")
+    log.partial_last_line = bool(state["partial"])
+    for at, more in repeated.values():
+        if more:
+            log.warnings[at] += f" (and {more:,} more such line(s))"
+    table.finish(log_interval=log.args.get("log_interval"), capture_pending=capture_pending)
+    log.iterations = table
+    log.capture_iteration = table.capture_iteration
+    if table.long_gaps:
+        interval = table.interval
+        src = (
+            f"log_interval is {interval}"
+            if table.known_interval
+            else f"log_interval is not printed; the usual gap is {interval}"
+        )
+        log.warnings.append(
+            f"{table.long_gaps} iteration line(s) follow a gap longer than the logging interval (lines elided or "
+            f"lost; {src}): each weighs {interval} iteration(s), not its gap"
+        )
+    if table.conflicts:
+        shown = ", ".join(str(c) for c in table.conflicts[:5])
         log.warnings.append(f"iterations logged more than once with different values (kept the last): {shown}")
+    if table.oversized:
+        log.warnings.append(f"{table.oversized} iteration line(s) with an iteration number or train_iters past "
+                            "2**63 - 1 ignored")  # fmt: skip
     if pairs[0]:
         log.warnings.append("fields printed as current/average: the current value (the window's own) is read")
-    if odd_memory:
+    if odd_memory.count:
         log.warnings.append(
-            f"{len(odd_memory)} 'memory (MB)' line(s) in no known shape ignored (first: line {odd_memory[0]})"
+            f"{odd_memory.count} 'memory (MB)' line(s) in no known shape ignored (first: line {odd_memory.first})"
         )
-    if odd_fields:
+    if odd_fields.count:
         log.warnings.append(
-            f"{len(odd_fields)} iteration field(s) with no usable value ignored (a count must be a whole number"
-            f" >= 0; first: {odd_fields[0]})"
+            f"{odd_fields.count} iteration field(s) with no usable value ignored (a count must be a whole number"
+            f" >= 0; first: {odd_fields.first})"
         )
     if unknown_memory:
         log.warnings.append(
             "memory field(s) on iteration lines not read (meaning unknown): "
             + ", ".join(repr(x) for x in list(unknown_memory)[:8])
         )
-    if capture_pending:
+    if args_dropped:
+        log.warnings.append(f"{args_dropped:,} argument line(s) past the first {MAX_ARGS:,} arguments (or "
+                            f"{_MAX_ARG_CHARS >> 20} MiB of them) ignored")  # fmt: skip
+    if table.capture_unresolved:
         log.warnings.append("CUDA-graph capture message with no iteration logged after it")
     if log.job_id is None and (fm := _FILE_JOBID_RE.search(os.path.basename(source))):
         log.job_id = next(g for g in fm.groups() if g)
-    if not log.iterations:
+    if not len(table):
+        head = str(state["head"])
         binary = "\x00" in head or head[:1] == "\ufffd"
-        what = describe_unknown(head if binary else "\n".join(unread))
+        what = describe_unknown(head) if binary else unknown.describe()
         raise LogFormatError(f"{source}: no Megatron iteration lines: {what}")
     return log
 
 
-def _set_windows(log: MegatronLog) -> None:
-    """Each record's window: the iterations its line averages over.
-
-    Megatron averages a line over the ``log_interval`` iterations before it, so a gap longer than
-    the interval (lines cut out of the log, ``[...]``, or lost) still weighs one interval. With
-    ``log_interval`` printed, windows are ``min(gap, log_interval)``; without it, the most common
-    gap stands in, and the longer gaps are named in a warning.
-    """
-    ordered = sorted(log.iterations, key=lambda r: r.iteration)
-    if not ordered:
-        return
-    gaps = [b.iteration - a.iteration for a, b in itertools.pairwise(ordered)]
-    try:
-        interval = int(log.args.get("log_interval", ""))
-        known = interval >= 1
-    except ValueError:
-        known = False
-    if not known:
-        interval = max(sorted(set(gaps)), key=gaps.count) if gaps else 1
-    interval = max(1, interval)
-    ordered[0].window = max(1, min(ordered[0].iteration, interval))
-    long = 0
-    for rec, gap in zip(ordered[1:], gaps, strict=True):
-        rec.window = max(1, min(gap, interval))
-        long += gap > interval
-    if long:
-        src = f"log_interval is {interval}" if known else f"log_interval is not printed; the usual gap is {interval}"
-        log.warnings.append(
-            f"{long} iteration line(s) follow a gap longer than the logging interval (lines elided or lost; "
-            f"{src}): each weighs {interval} iteration(s), not its gap"
-        )
-
-
 def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
-    """Read and parse one log file, plain or gzip'd (undecodable bytes replaced, never fatal)."""
+    """Read and parse one log file, plain or gzip'd (undecodable bytes replaced, never fatal), line by line.
+
+    Raises:
+        LogFormatError: unreadable, refused by :mod:`.textfile`, empty or with no iteration line.
+        LogBudgetError: over ``max_log_bytes``, ``max_log_line_bytes`` or ``max_log_iterations``.
+    """
     p = Path(path)
-    try:
-        text, cut = read_log(p)  # streamed, bounded, FIFOs refused (textfile)
-    except FileNotFoundError:
-        raise LogFormatError(f"{p}: no such log file") from None
-    except IsADirectoryError:
-        raise LogFormatError(f"{p}: is a folder, not a log file") from None
-    except OSError as e:
-        raise LogFormatError(f"{p}: cannot read ({e.strerror})") from None
-    box = [text]
-    del text  # _parse takes it out of the box: no second reference while the lines are parsed
-    log = _parse(box, source=str(p))
-    if cut:
-        log.warnings.insert(0, cut)
+    lines = LogLines(p)  # streamed, bounded, FIFOs refused (textfile)
+    log = _parse(lines, source=str(p))
+    if lines.warning:
+        log.warnings.insert(0, lines.warning)
     return log
 
 
-def steady_iterations(log: MegatronLog, *, warmup: int = 3) -> tuple[list[IterationRecord], dict[str, int]]:
+def steady_rows(log: MegatronLog, *, warmup: int = 3) -> tuple[np.ndarray, dict[str, int]]:
+    """Row numbers (into ``log.iterations``) of the log windows that count for statistics, and how many
+    were dropped for which reason (see :func:`steady_iterations`); no per-row Python object."""
+    if warmup < 0:
+        raise LogFormatError(f"--warmup must be >= 0, got {warmup}")
+    table = log.iterations
+    dropped = {"warmup": 0, "before_capture": 0, "skipped_or_nan": 0}
+    if not len(table):
+        return np.zeros(0, dtype=np.int64), dropped
+    it, window = table.column("iteration"), table.column("window")
+    first = int(np.argmin(it))
+    start = int(it[first]) - int(window[first])
+    threshold = start + warmup  # a Python int: --warmup may be any size
+    early = np.ones(it.size, dtype=bool) if threshold > np.iinfo(np.int64).max else (it - window) < threshold
+    rest = ~early
+    capture = log.capture_iteration
+    before = rest & (it <= capture) if capture is not None else np.zeros(it.size, dtype=bool)
+    rest &= ~before
+    unclean = rest & ~table.clean()
+    rest &= ~unclean
+    dropped.update(warmup=int(early.sum()), before_capture=int(before.sum()), skipped_or_nan=int(unclean.sum()))
+    return np.flatnonzero(rest), dropped
+
+
+def steady_iterations(log: MegatronLog, *, warmup: int = 3) -> tuple[IterationTable, dict[str, int]]:
     """The log windows that count for statistics, and how many were dropped for which reason.
 
     ``warmup`` counts iterations, not log lines: a window that overlaps the first ``warmup``
     iterations of the log is dropped whole. Also dropped: every window up to and including the one
-    that captured a CUDA graph, and windows with skipped/NaN iterations or a non-finite loss.
+    that captured a CUDA graph, and windows with skipped/NaN iterations or a non-finite loss. The
+    windows come as a table of their rows (records made on access); :func:`steady_rows` gives row numbers.
     """
-    if warmup < 0:
-        raise LogFormatError(f"--warmup must be >= 0, got {warmup}")
-    dropped = {"warmup": 0, "before_capture": 0, "skipped_or_nan": 0}
-    kept: list[IterationRecord] = []
-    first = min(log.iterations, key=lambda r: r.iteration, default=None)
-    start = first.iteration - first.window if first is not None else 0
-    for rec in log.iterations:
-        if rec.iteration - rec.window < start + warmup:
-            dropped["warmup"] += 1
-        elif log.capture_iteration is not None and rec.iteration <= log.capture_iteration:
-            dropped["before_capture"] += 1
-        elif not rec.clean:
-            dropped["skipped_or_nan"] += 1
-        else:
-            kept.append(rec)
-    return kept, dropped
+    rows, dropped = steady_rows(log, warmup=warmup)
+    return log.iterations.take(rows), dropped
 
 
 def describe_dropped(dropped: dict[str, int], *, warmup: int) -> str:

@@ -8,6 +8,7 @@ pool uses.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,14 +36,15 @@ class RunRecord:
     kind: str
     """``sweep`` (metrics.json), ``megatron`` (training log) or ``snapshot`` (allocator snapshot)."""
     status: str = "ok"
-    tflops: list[float] = field(default_factory=list)
-    """Steady-state throughput per GPU, one value per sample (a log window or a measured step)."""
-    tflops_windows: list[int] = field(default_factory=list)
+    tflops: Sequence[float] = field(default_factory=list)
+    """Steady-state throughput per GPU, one value per sample (a log window or a measured step); a log's
+    series are ``array('d')`` / ``array('q')`` (8 bytes a sample: compare holds every run's at once)."""
+    tflops_windows: Sequence[int] = field(default_factory=list)
     """Iterations each ``tflops`` value averages over (empty: one each)."""
     tflops_value: float | None = None
     """A single throughput figure when no per-iteration values exist (``metrics.json["tflops"]``)."""
-    step_ms: list[float] = field(default_factory=list)
-    step_windows: list[int] = field(default_factory=list)
+    step_ms: Sequence[float] = field(default_factory=list)
+    step_windows: Sequence[int] = field(default_factory=list)
     """Iterations each ``step_ms`` value averages over (empty: one each)."""
     max_allocated_bytes: int | None = None
     max_reserved_bytes: int | None = None

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import math
 import os
+from array import array
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bufreuse.analysis.runs.comparability import run_config
 from bufreuse.analysis.runs.hostlist import HostSet, hosts_from_names, parse_hostlist
-from bufreuse.analysis.runs.megatron_log import describe_dropped, parse_log, steady_iterations
+from bufreuse.analysis.runs.megatron_log import MegatronLog, describe_dropped, parse_log, steady_rows
 from bufreuse.analysis.runs.record import MIB, RunRecord
 from bufreuse.config import BUFFERS, BufReuseConfig, check_field_types, static_bounds, tokens_per_microbatch
 from bufreuse.errors import ConfigError, InputError, LogFormatError
 from bufreuse.fsutil import read_json
+from bufreuse.limits import BudgetExceededError
 from bufreuse.sweepdir import ConfigPaths, SweepDir, latest_sweep
 
 __all__ = ["resolve_runs", "snapshot_label"]
@@ -157,6 +161,8 @@ def _from_megatron_folder(folder: Path, warmup: int) -> RunRecord:
     for path in candidates:
         try:
             run = _from_megatron_log(path, warmup, label=folder.name)
+        except BudgetExceededError:
+            raise  # a log over a budget is refused out loud, never passed over for another file
         except LogFormatError:
             continue
         n = len(run.step_ms) + sum(run.dropped.values())
@@ -172,14 +178,18 @@ def _from_megatron_folder(folder: Path, warmup: int) -> RunRecord:
 
 def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     log = parse_log(path)
-    steady, dropped = steady_iterations(log, warmup=warmup)
-    if not steady:
+    rows, dropped = steady_rows(log, warmup=warmup)
+    if not rows.size:
         raise LogFormatError(f"{path}: no steady-state iterations: {describe_dropped(dropped, warmup=warmup)}")
     run = RunRecord(label=label, source=path, kind="megatron", dropped=dropped, warnings=list(log.warnings))
-    timed = [r for r in steady if r.elapsed_ms is not None]
-    run.step_ms, run.step_windows = [r.elapsed_ms for r in timed], [r.window for r in timed]
-    rated = [r for r in steady if r.tflops is not None]
-    run.tflops, run.tflops_windows = [r.tflops for r in rated], [r.window for r in rated]
+    table = log.iterations
+    timed, rated = rows[table.present("elapsed_ms")[rows]], rows[table.present("tflops")[rows]]
+    del rows
+    run.step_ms, run.step_windows = _column(log, timed, "elapsed_ms"), _column(log, timed, "window")
+    run.tflops = _column(log, rated, "tflops")
+    # one copy of the windows when both series have the same rows: compare holds every run's series at once
+    run.tflops_windows = run.step_windows if np.array_equal(timed, rated) else _column(log, rated, "window")
+    del timed, rated
     run.config = run_config(log.args)
     for attr, target in (
         ("max_allocated_mib", "max_allocated_bytes"),
@@ -194,6 +204,18 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
         run.nodes = _job_nodes(path.parent / "job.json", run)
     _rings_from_args(log.args, run)
     return run
+
+
+def _column(log: MegatronLog, rows: np.ndarray, name: str) -> array[Any]:
+    """Column ``name`` of ``log.iterations`` at ``rows``: an ``array`` of 8 bytes a value, written in place."""
+    table = log.iterations
+    if name == "window":
+        out: array[Any] = array("q", [0]) * rows.size
+        np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.int64))
+    else:
+        out = array("d", [0.0]) * rows.size
+        np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.float64))
+    return out
 
 
 def _from_snapshot(path: Path) -> RunRecord:

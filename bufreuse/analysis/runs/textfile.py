@@ -7,8 +7,9 @@ inflated piece by piece within ``max_log_bytes``, and each piece is checked as i
 binary file, a line longer than any real log line (``max_log_line_bytes``) or a number of a
 thousand digits (no grammar can use one; ``int()`` of one past 4,300 digits raises) is refused
 with one :class:`~bufreuse.errors.LogFormatError` as soon as it is seen. Undecodable bytes become
-U+FFFD (a log cut mid-character by a killed job must still parse). :func:`iter_log_lines` yields
-lines one by one, so a reader that keeps no per-line state needs memory independent of the log's size.
+U+FFFD (a log cut mid-character by a killed job must still parse). :class:`LogLines` yields lines
+one by one (the parser reads a log so), so a reader that keeps no per-line state needs memory
+independent of the log's size.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_LINE_CHARS",
     "MAX_LOG_BYTES",
     "LogBudgetError",
+    "LogLines",
     "check_log_text",
     "iter_log_lines",
     "read_log",
@@ -230,19 +232,35 @@ def read_log_text(path: str | os.PathLike[str], *, max_bytes: int | None = None)
     return read_log(path, max_bytes=max_bytes)[0]
 
 
-def iter_log_lines(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Iterator[str]:
+class LogLines:
     """The lines of one log file, line ends kept, checked as :func:`read_log` checks them.
 
+    Iterate once; afterwards ``warning`` says whether a gzip stream was cut (as :func:`read_log`'s).
+    A ``"\\r\\n"`` split across two pieces stays one line end (as ``str.splitlines`` on the whole text).
     Memory: one :data:`CHUNK_BYTES` piece plus the longest line, however long the log.
     """
-    reader = _LogReader(Path(path), max_bytes)
-    rest = ""
-    for piece in reader.pieces():
-        lines = (rest + piece).splitlines(keepends=True)
-        rest = lines.pop() if lines and not lines[-1].endswith(_LINE_ENDS) else ""
-        yield from lines
-    if rest:
-        yield rest
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+        self._reader = _LogReader(Path(path), max_bytes)
+
+    @property
+    def warning(self) -> str | None:
+        return self._reader.warning
+
+    def __iter__(self) -> Iterator[str]:
+        rest = ""
+        for piece in self._reader.pieces():
+            lines = (rest + piece).splitlines(keepends=True)
+            # an open last line, or one ending in "\r" whose "\n" may start the next piece, waits for it
+            rest = lines.pop() if lines and (lines[-1].endswith("\r") or not lines[-1].endswith(_LINE_ENDS)) else ""
+            yield from lines
+        if rest:
+            yield rest
+
+
+def iter_log_lines(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Iterator[str]:
+    """The lines of one log file, line ends kept (:class:`LogLines` without the gzip warning)."""
+    return iter(LogLines(path, max_bytes=max_bytes))
 
 
 def check_log_text(p: Path, text: str) -> str:
