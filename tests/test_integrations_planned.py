@@ -97,8 +97,14 @@ def _x(seed: int = 0):
 def test_planner_says_minimum_4_for_the_issue_run(tmp_path):
     path = tmp_path / "issue.args"
     path.write_text(ISSUE_ARGS)
-    report = plan_config(load_megatron_file(path))
-    (dispatch,) = report.buffers
+    # At EP = 1 the all-to-all dispatch is an identity: install() registers no dispatch ring, so the plan says
+    # "not used" and 2 slots cannot be too few (the minimum is still planned, for the record).
+    (unused,) = plan_config(load_megatron_file(path)).buffers
+    assert unused.unused and unused.ok and unused.cycle is None and unused.minimum == LAYERS
+    # With the ring exercised at EP = 1 (the validation knob), the issue's run: minimum 4, cycle through layer 2.
+    path.write_text(ISSUE_ARGS + "--moe-bufreuse-ring-identity-dispatch\n")
+    (dispatch,) = plan_config(load_megatron_file(path)).buffers
+    assert dispatch.unused is None
     assert dispatch.rule.point.value == "backward" and dispatch.minimum == LAYERS  # one slot per MoE layer
     assert not dispatch.ok and dispatch.cycle is not None
     assert dispatch.cycle.waiter.name == "dispatch.fwd" and dispatch.cycle.waiter.layer == 2
