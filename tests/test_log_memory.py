@@ -356,26 +356,14 @@ def test_weighted_summary_of_huge_windows_needs_no_repeat() -> None:
     assert got["mean"] == pytest.approx(1.0, abs=1e-12)
 
 
-def _sorted_stat(values: np.ndarray, weights: np.ndarray, idx: np.ndarray, stat: str) -> np.ndarray:
-    """Each resample's weighted mean, or the middle of its sorted repeated sample."""
-    v, w = values[idx], weights[idx].astype(float)
-    if stat == "mean":
-        return (v * w).sum(axis=1) / w.sum(axis=1)
-    order = np.argsort(v, axis=1, kind="stable")
-    v, w = np.take_along_axis(v, order, axis=1), np.take_along_axis(w, order, axis=1)
-    cum, half = np.cumsum(w, axis=1), w.sum(axis=1, keepdims=True) / 2
-    rows = np.arange(v.shape[0])
-    return (v[rows, np.argmax(cum >= half, axis=1)] + v[rows, np.argmax(cum > half, axis=1)]) / 2
-
-
 def _old_bootstrap(base, other, wa, wb, stat, n_boot=2000, seed=0, level=0.95):
-    """The bootstrap as it was: every resample drawn at once, each sorted."""
+    """The bootstrap as it was: every resample drawn at once, each sorted (the library's sort path)."""
     rng = np.random.default_rng(seed)
     a, b = np.asarray(base, dtype=float), np.asarray(other, dtype=float)
     wa = np.maximum(np.asarray(wa, dtype=np.int64), 1)
     wb = np.maximum(np.asarray(wb, dtype=np.int64), 1)
-    ma = _sorted_stat(a, wa, rng.integers(0, a.size, size=(n_boot, a.size)), stat)
-    mb = _sorted_stat(b, wb, rng.integers(0, b.size, size=(n_boot, b.size)), stat)
+    ma = stats._boot_stat(a, wa, rng.integers(0, a.size, size=(n_boot, a.size)), stat)
+    mb = stats._boot_stat(b, wb, rng.integers(0, b.size, size=(n_boot, b.size)), stat)
     tail = (1.0 - level) / 2 * 100
     low, high = np.percentile(mb - ma, [tail, 100 - tail])
     return float(low), float(high)

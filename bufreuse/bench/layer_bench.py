@@ -356,6 +356,28 @@ def _knobs(policy: str, slots: int) -> BufReuseConfig:
 # -- rounds ----------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _installed(layer: Any, arm: str, cfg: LayerBenchConfig, device: torch.device) -> Iterator[Any]:
+    """``arm``'s hooks on a fresh production-mode pool for the block (None and nothing for ``control``)."""
+    if arm == "control":
+        yield None
+        return
+    from bufreuse.integrations.megatron import install
+    from bufreuse.pool import BufferPool
+
+    inst = install(
+        layer,
+        BufferPool(device, debug=False),
+        _knobs(arm, cfg.slots),
+        tokens=cfg.tokens,
+        num_microbatches=cfg.microbatches,
+    )
+    try:
+        yield inst
+    finally:
+        inst.uninstall()
+
+
 def _run_round(
     layer: Any,
     forward: Callable[[torch.Tensor], torch.Tensor],
@@ -366,16 +388,9 @@ def _run_round(
     grads: list[torch.Tensor],
 ) -> dict[str, Any]:
     """Install ``arm`` (nothing for ``control``), one untimed schedule, ``steps`` timed ones, uninstall."""
-    from bufreuse.integrations.megatron import install
-    from bufreuse.pool import BufferPool
-
     cuda = device.type == "cuda"
     steps = schedule_steps(cfg.schedule, cfg.microbatches)
-    inst = None
-    if arm != "control":
-        pool = BufferPool(device, debug=False)
-        inst = install(layer, pool, _knobs(arm, cfg.slots), tokens=cfg.tokens, num_microbatches=cfg.microbatches)
-    try:
+    with _installed(layer, arm, cfg, device) as inst:
         layer.zero_grad(set_to_none=True)
         _schedule(forward, steps, xs, grads, None)
         _sync(cuda)
@@ -386,11 +401,8 @@ def _run_round(
         _sync(cuda)
         wall = time.perf_counter() - start
         # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control).
-        acquired = {name: s.acquisitions for name, s in pool.stats().items()} if inst is not None else {}
+        acquired = {name: s.acquisitions for name, s in inst.pool.stats().items()} if inst is not None else {}
         unused = dict(getattr(inst, "unused", {})) if inst is not None else {}
-    finally:
-        if inst is not None:
-            inst.uninstall()
     calls = cfg.steps * cfg.microbatches
     fwd, bwd = sum(timing["F"]) / calls * 1e6, sum(timing["B"]) / calls * 1e6
     gpu = sum(a.elapsed_time(b) for a, b in timing["events"]) / calls if cuda else None
@@ -507,21 +519,9 @@ def _profile_arm(
     import cProfile
     import pstats
 
-    from bufreuse.integrations.megatron import install
-    from bufreuse.pool import BufferPool
-
     cuda = device.type == "cuda"
     steps = schedule_steps(cfg.schedule, cfg.microbatches)
-    inst = None
-    if arm != "control":
-        inst = install(
-            layer,
-            BufferPool(device, debug=False),
-            _knobs(arm, cfg.slots),
-            tokens=cfg.tokens,
-            num_microbatches=cfg.microbatches,
-        )
-    try:
+    with _installed(layer, arm, cfg, device):
         _schedule(forward, steps, xs, grads, None)
         _sync(cuda)
         layer.zero_grad(set_to_none=True)
@@ -535,9 +535,6 @@ def _profile_arm(
             prof.disable()
         _sync(cuda)
         wall = time.perf_counter() - start
-    finally:
-        if inst is not None:
-            inst.uninstall()
     calls = cfg.steps * cfg.microbatches
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     ours = {key: row for key, row in stats.items() if key[0].startswith(_PACKAGE) and not key[0].startswith(_BENCH)}
