@@ -3,6 +3,8 @@
 # files per call, so each stage leaves one archive). Run from the repo root on the lent H200, after the TE parts
 # are staged (scripts/device-te.sh); carry [".te-device/w", ".whl", ".mlm", ".deepep"] as the stage needs.
 #
+#   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
+#   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8)
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
@@ -57,6 +59,31 @@ case $stage in
     bl host-bf16 --preset host-bound --spec te --rounds 10 --profile
     bl host-pad-fp8 --preset host-bound --spec te --precision fp8 --pad --rounds 10 --profile
     bl gpu-pad-bf16 --preset gpu-bound --spec te --pad --rounds 10
+    ;;
+  tests)
+    log "TE install"
+    te_env
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv >"$work/gpu.csv" 2>&1
+    lscpu >"$work/lscpu.txt" 2>&1
+    log "gpu-marked tests"
+    OUT=$work timeout -k 10 "${TESTS_TIMEOUT:-300}" bash scripts/gpu-tests.sh ${TEST_ARGS:-} >/dev/null 2>&1
+    log "gpu tests exit $? : $(grep -E '^=+ .* in [0-9.]+s' "$work/gpu-tests.log" | tail -1)"
+    ;;
+  bench)
+    # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;
+    # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method
+    te_env
+    for name in "$@"; do
+      code=(); n=$name
+      if [[ $n == old-* ]]; then code=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH"); n=${n#old-}; fi
+      IFS=- read -r preset routing precision <<<"$n"
+      args=(--preset "$preset-bound" --spec te --precision "$precision" --rounds "${ROUNDS:-10}")
+      [ "$routing" = pad ] && args+=(--pad)
+      [ "$preset" = host ] && args+=(--profile)
+      log "bench layer $name"
+      timeout -k 10 "${BENCH_TIMEOUT:-130}" "${code[@]}" python3 -m bufreuse bench layer "${args[@]}" --json \
+        --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"
+    done
     ;;
   ab)
     from=${1:?first round}; to=${2:?last round}; shift 2

@@ -50,3 +50,24 @@ def test_bench_layer_runs_every_policy_on_the_gpu(spec: str, precision: str) -> 
         assert r["acquisitions"] == want, r
     for arm in arms[1:]:
         assert data["summary"][arm]["gpu_ms"]["vs_control"]["ratio"] > 0
+
+
+@pytest.mark.te
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_te_hooks_enter_the_fc2_shim_once_per_layer_call_and_nothing_else_per_gemm(precision: str) -> None:
+    """The TE module route's hook entries, counted by the hook-time round: the FC2 shim once per layer call
+    (FC1, the other GroupedLinear of the layer, never enters it) and one combine-stage wrapper; the experts'
+    forward is not wrapped at EP = 1 (no dispatch ring can reach it)."""
+    args = ["bench", "layer", "--device", "cuda", *SHAPE, "--spec", "te", "--precision", precision, "--pad",
+            "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", "2", "--warmup", "0", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    write_summary(f"bench_layer_hook_time_te_{precision}", data["hook_time"])
+    ring = data["hook_time"]["arms"]["ring"]
+    entries = {row["hook"]: row["entries"] for row in ring["by_hook"]}
+    assert entries.get("integrations.te.out_route._routing_forward") == pytest.approx(1.0), entries
+    assert not [h for h in entries if "experts" in h.lower() and "forward" in h], entries
+    combine = [h for h in entries if "combine_stage" in h]
+    assert len(combine) == 1 and entries[combine[0]] == pytest.approx(1.0), entries
+    assert ring["us"] > 0 and ring["originals_per_layer_call"] >= 2

@@ -135,3 +135,64 @@ def test_te_op_kwargs_route_fc2_output_into_a_detached_alias() -> None:
         output_buffer_op_kwargs(te.ops_without_key, slot, (TOKENS, HIDDEN))
     with pytest.raises(ConfigError, match="contiguous"):
         output_buffer_op_kwargs(te.ops_grouped_linear, torch.empty(HIDDEN, TOKENS).t(), (TOKENS, HIDDEN))
+
+
+class _MegatronTEGroupedLinear(te.GroupedLinear):
+    """megatron-core 0.19.2's ``TEGroupedLinear.forward(x, m_splits)``: ``super().forward`` without ``out=``."""
+
+    def forward(self, x, m_splits):  # type: ignore[override]
+        return super().forward(x, m_splits, is_first_microbatch=None), None
+
+
+def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone() -> None:
+    from bufreuse.config import BufReuseConfig
+    from bufreuse.integrations.core import Installation, slot_acquirer
+    from bufreuse.integrations.te.out_route import ROUTE, Fc2Route, route_into_ring
+
+    hidden, _, _ = _routing()
+    splits = [3, 5, 0, 4]
+    name = "expert_fc2_output"
+    pool = _pool(name, BOUND, 8)
+    fc1, fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8), _MegatronTEGroupedLinear(4, HIDDEN, 8)
+    fc1.weights = fc2.weights
+    ref = te.GroupedLinearUpstream.forward(fc2, hidden, splits)
+    got: list[torch.Tensor] = []
+    inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
+    route = Fc2Route(slot_acquirer(pool, name), 8, pool.get(name), got.append, te.GroupedLinear.forward)
+    route_into_ring(inst, fc2, route)
+    y, _ = fc2(hidden, splits)
+    assert len(got) == 1 and y.data_ptr() == got[0].data_ptr() and pool.owns(name, got[0])
+    assert torch.equal(y, ref) and isinstance(fc2, _MegatronTEGroupedLinear)
+    # the other module of the same class (FC1, another layer, the control) runs its own class: no slot
+    y1, _ = fc1(hidden, splits)
+    assert type(fc1) is _MegatronTEGroupedLinear and not pool.is_ring_storage(y1) and torch.equal(y1, ref)
+    # an explicit out= beside the route is two writers: refused, nothing acquired
+    with pytest.raises(ConfigError, match="out="):
+        type(fc2).__mro__[2].forward(fc2, hidden, splits, out=torch.empty(TOKENS, 8))
+    assert pool.get(name).held == 1
+    pool.release(name, got.pop())
+    inst.uninstall()
+    assert type(fc2) is _MegatronTEGroupedLinear and ROUTE not in vars(fc2)
+    y2, _ = fc2(hidden, splits)
+    assert not pool.is_ring_storage(y2) and pool.stats()[name].acquisitions == 1
+
+
+def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back() -> None:
+    from bufreuse.config import BufReuseConfig
+    from bufreuse.integrations.core import Installation, slot_acquirer
+    from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
+
+    hidden, _, _ = _routing()
+    name = "expert_fc2_output"
+    pool = _pool(name, BOUND, 8)
+    fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
+
+    def ignores_out(self, inp, m_splits, *args, out=None, **kwargs):
+        return te.GroupedLinear.forward(self, inp, m_splits, *args, **kwargs)
+
+    got: list[torch.Tensor] = []
+    with Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS) as inst:
+        route_into_ring(inst, fc2, Fc2Route(slot_acquirer(pool, name), 8, pool.get(name), got.append, ignores_out))
+        with pytest.raises(BackendContractError, match="ignored out="):
+            fc2(hidden, [3, 5, 0, 4])
+    assert got == [] and pool.get(name).held == 0 and pool.stats()[name].acquisitions == 1

@@ -115,6 +115,9 @@ class LayerBenchConfig:
     """The preset the shape came from (recorded; :func:`layer_config` applies it)."""
     profile: bool = False
     """After the rounds, one cProfile'd round per arm: where the host time goes (see :func:`_profile_arm`)."""
+    hook_time: bool = True
+    """After the rounds, one instrumented round per hooked arm: the hooks' own host µs per layer call
+    (:mod:`bufreuse.bench.hook_time`; see :func:`_hook_time_arm`)."""
 
 
 def layer_config(
@@ -357,21 +360,27 @@ def _knobs(policy: str, slots: int) -> BufReuseConfig:
 
 
 @contextlib.contextmanager
-def _installed(layer: Any, arm: str, cfg: LayerBenchConfig, device: torch.device) -> Iterator[Any]:
-    """``arm``'s hooks on a fresh production-mode pool for the block (None and nothing for ``control``)."""
+def _installed(
+    layer: Any, arm: str, cfg: LayerBenchConfig, device: torch.device, during: Any = contextlib.nullcontext
+) -> Iterator[Any]:
+    """``arm``'s hooks on a fresh production-mode pool for the block (None and nothing for ``control``).
+
+    ``during()``: a context open while the pool is built and ``install()`` runs (the hook-time instrumentation).
+    """
     if arm == "control":
         yield None
         return
     from bufreuse.integrations.megatron import install
     from bufreuse.pool import BufferPool
 
-    inst = install(
-        layer,
-        BufferPool(device, debug=False),
-        _knobs(arm, cfg.slots),
-        tokens=cfg.tokens,
-        num_microbatches=cfg.microbatches,
-    )
+    with during():
+        inst = install(
+            layer,
+            BufferPool(device, debug=False),
+            _knobs(arm, cfg.slots),
+            tokens=cfg.tokens,
+            num_microbatches=cfg.microbatches,
+        )
     try:
         yield inst
     finally:
@@ -477,10 +486,68 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
         profiles = (
             {arm: _profile_arm(layer, forward, arm, cfg, device, xs, grads) for arm in arms} if cfg.profile else None
         )
+        hook_times = None
+        if cfg.hook_time:
+            from bufreuse.bench.hook_time import calibrate
+
+            bias = calibrate()
+            hook_times = {
+                "calibration_ns": bias,
+                "arms": {arm: _hook_time_arm(layer, forward, arm, cfg, device, xs, grads, bias) for arm in arms[1:]},
+                "note": "hooks' own host time per layer call: time in bufreuse's hook frames (and the torch calls "
+                "they make), not in the megatron/TE work they wrap, one instrumented round per arm, the "
+                "clock's measured cost subtracted; the allocation the control makes instead is not subtracted",
+            }
     result = _summarise(cfg, device, arms, rounds)
     if profiles is not None:
         result["profile"] = _profile_summary(profiles)
+    if hook_times is not None:
+        result["hook_time"] = hook_times
     return result
+
+
+def _hook_time_arm(
+    layer: Any,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    arm: str,
+    cfg: LayerBenchConfig,
+    device: torch.device,
+    xs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    bias: dict[str, float],
+) -> dict[str, Any]:
+    """One instrumented round of ``arm``: the hooks' exclusive host µs per layer call (:mod:`bufreuse.bench.hook_time`).
+
+    ``raw_us`` is what the clock charged; ``us`` subtracts its calibrated cost (``bias``) per hook entry and per
+    original call; the entries and original calls per layer call are exact counts.
+    """
+    from bufreuse.bench.hook_time import HookClock, instrumented
+
+    cuda = device.type == "cuda"
+    steps = schedule_steps(cfg.schedule, cfg.microbatches)
+    clock = HookClock()
+    with instrumented(clock) as during, _installed(layer, arm, cfg, device, during):
+        _schedule(forward, steps, xs, grads, None)
+        _sync(cuda)
+        layer.zero_grad(set_to_none=True)
+        clock.reset()
+        for _ in range(cfg.steps):
+            _schedule(forward, steps, xs, grads, None)
+        _sync(cuda)
+    calls = cfg.steps * cfg.microbatches
+    raw = clock.hook_ns / calls / 1e3
+    corrected = raw - (clock.entries * bias["entry_ns"] + clock.originals * bias["original_ns"]) / calls / 1e3
+    by_hook = sorted(clock.by_hook.items(), key=lambda kv: -kv[1][0])
+    return {
+        "us": corrected,
+        "raw_us": raw,
+        "entries_per_layer_call": clock.entries / calls,
+        "originals_per_layer_call": clock.originals / calls,
+        "by_hook": [
+            {"hook": name.removeprefix("bufreuse."), "raw_us": ns / calls / 1e3, "entries": n / calls}
+            for name, (ns, n) in by_hook
+        ],
+    }
 
 
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep

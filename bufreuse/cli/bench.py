@@ -134,6 +134,14 @@ def layer(
             "bufreuse's own self time (cProfile's clock; excludes the torch calls it makes).",
         ),
     ] = False,
+    hook_time: Annotated[
+        bool,
+        typer.Option(
+            "--hook-time/--no-hook-time",
+            help="After the rounds, one instrumented round per hooked arm: the hooks' own host µs per layer call "
+            "(time in bufreuse's hook code, not in the megatron/TE work it wraps).",
+        ),
+    ] = True,
     json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the per-round ratios as a PNG to this file.")] = None,
@@ -161,6 +169,7 @@ def layer(
         pad=pad,
         band_pct=band_pct,
         profile=profile,
+        hook_time=hook_time,
     )
     # --profile: no refresh thread (on Python >= 3.12 cProfile counts every thread's calls)
     with progress_bar("bench layer rounds", refresh_thread=not profile) as tick:

@@ -68,6 +68,7 @@ __all__ = [
     "ring_name",
     "shared_patch",
     "shared_patches_applied",
+    "slot_acquirer",
     "tracked",
 ]
 
@@ -257,30 +258,28 @@ def tracked(pool: BufferPool, fn: Callable[..., Any], reads: Callable[[Any], boo
 
     The hot path of every hooked stage. ``reads(first argument)`` says whether this call receives a
     slot (:func:`reads_live`, or ``pool.views_ring_storage``); only then is the region entered (one
-    push of the pool's prebuilt saved-tensor hooks), so a stage that receives a copy pays a pointer
-    comparison. ``reads=None``: always. A nested entry pushes the same hooks again (one C call).
-    Releases (``Held.release``) then wait for exactly the saved references those regions made.
+    push of the pool's prebuilt saved-tensor hooks, :meth:`~bufreuse.pool.tracking.SavedTracker.run`),
+    so a stage that receives a copy pays a pointer comparison. ``reads=None``: always. A nested entry
+    pushes the same hooks again (one C call). Releases (``Held.release``) then wait for exactly the
+    saved references those regions made.
     """
     import functools
 
-    tracker = pool.track_saved()
+    run = pool.track_saved().run
 
     if reads is None:
 
         @functools.wraps(fn)
         def always(*args: Any, **kwargs: Any) -> Any:
-            with tracker:
-                return fn(*args, **kwargs)
+            return run(fn, args, kwargs)
 
         return always
 
     @functools.wraps(fn)
     def when_read(*args: Any, **kwargs: Any) -> Any:
         # megatron passes the hidden states first; by keyword, the first keyword is looked at instead
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        if reads(first):
-            with tracker:
-                return fn(*args, **kwargs)
+        if reads(args[0] if args else next(iter(kwargs.values()), None)):
+            return run(fn, args, kwargs)
         return fn(*args, **kwargs)
 
     return when_read
@@ -305,12 +304,14 @@ class Held:
     kept so that "is this a view of it?" (:meth:`read_by`) is one pointer comparison.
     """
 
-    __slots__ = ("deferred", "hi", "lo", "name", "pool", "released", "tensor")
+    __slots__ = ("deferred", "entry", "hi", "lo", "name", "pool", "released", "tensor")
 
-    def __init__(self, pool: BufferPool, name: str, tensor: torch.Tensor) -> None:
+    def __init__(self, pool: BufferPool, name: str, tensor: torch.Tensor, entry: Any = None) -> None:
         self.pool = pool
         self.name = name
         self.tensor = tensor
+        self.entry = pool.get(name) if entry is None else entry
+        """The pool's buffer ``name`` (hot paths pass the one they acquired from: no lookup per call)."""
         self.lo = tensor.data_ptr()
         self.hi = self.lo + tensor.nbytes
         self.released = False
@@ -329,7 +330,7 @@ class Held:
         """The forward's final reader is enqueued on ``stream`` (default: current); release once, by fact."""
         if not self.released:
             self.released = True
-            self.deferred = not self.pool.release_when_unsaved(self.name, self.tensor, stream)
+            self.deferred = not self.entry.release_when_unsaved(self.tensor, stream)
 
     def __repr__(self) -> str:
         return f"Held({self.name!r}, released={self.released}, deferred={self.deferred})"
@@ -360,25 +361,7 @@ def acquire_with_hint(
     try:
         tensor = pool.acquire(name, shape)
     except EarlyReuseError as e:
-        from bufreuse.integrations.planned import planned_minimum
-
-        knob, plan = KNOBS.get(name, "the slot count"), planned_minimum(pool, name)
-        need = max(e.min_depth or 0, plan[0] if plan else 0)
-        hint = f"raise {knob} to at least {need}"
-        if getattr(pool.get(name), "max_bytes", None) is not None:  # num_slots='auto': the cap or the settling
-            hint = (
-                f"raise moe_bufreuse_auto_max_mib (the 'auto' ring's cap) to hold at least {need} slots, "
-                f"or set {knob} to at least {need}"
-            )
-        if plan:
-            hint += f" (the planner's minimum for this schedule is {plan[0]}: {plan[1]})"
-        raise EarlyReuseError(
-            f"{e} -> {hint}",
-            ring=e.ring,
-            slot=e.slot,
-            generation=e.generation,
-            min_depth=e.min_depth,
-        ) from e
+        raise _with_hint(pool, name, e) from e
     if dtype is not None and tensor.dtype != dtype:
         pool.release(name, tensor)
         raise StaticShapeError(
@@ -387,6 +370,53 @@ def acquire_with_hint(
         )
     return tensor
 
+
+def _with_hint(pool: BufferPool, name: str, e: Any) -> Exception:
+    """``e`` (an ``EarlyReuseError``) again, its message naming the knob to raise and the planner's minimum."""
+    from bufreuse.integrations.planned import planned_minimum
+    from bufreuse.pool import EarlyReuseError
+
+    knob, plan = KNOBS.get(name, "the slot count"), planned_minimum(pool, name)
+    need = max(e.min_depth or 0, plan[0] if plan else 0)
+    hint = f"raise {knob} to at least {need}"
+    if getattr(pool.get(name), "max_bytes", None) is not None:  # num_slots='auto': the cap or the settling
+        hint = (
+            f"raise moe_bufreuse_auto_max_mib (the 'auto' ring's cap) to hold at least {need} slots, "
+            f"or set {knob} to at least {need}"
+        )
+    if plan:
+        hint += f" (the planner's minimum for this schedule is {plan[0]}: {plan[1]})"
+    return EarlyReuseError(f"{e} -> {hint}", ring=e.ring, slot=e.slot, generation=e.generation, min_depth=e.min_depth)
+
+
+def slot_acquirer(pool: BufferPool, name: str) -> Callable[[tuple[int, ...], Any], torch.Tensor]:
+    """``acquire(shape, dtype)``: :func:`acquire_with_hint` bound once to the pool's buffer ``name`` (hot paths).
+
+    Same errors, in the same words; the dtype is refused before anything is acquired.
+    """
+    from bufreuse.pool import EarlyReuseError, StaticShapeError
+
+    entry = pool.get(name)
+    acquire, ring_dtype = entry.acquire, entry.dtype
+
+    def acquire_slot(shape: tuple[int, ...], dtype: Any) -> torch.Tensor:
+        if dtype is not ring_dtype and dtype is not None:
+            raise StaticShapeError(
+                f"buffer '{name}' holds {ring_dtype} but the layer produces {dtype}; the ring dtype comes from "
+                "TransformerConfig.params_dtype (set bf16/params_dtype to the activation dtype)"
+            )
+        try:
+            return acquire(shape)
+        except EarlyReuseError as e:
+            raise _with_hint(pool, name, e) from e
+
+    return acquire_slot
+
+
+INSTRUMENT: Any = None
+"""Set only while a measurement installs (``bufreuse bench layer --hook-time``): ``hook(fn)`` wraps every hook
+entry :meth:`Installation.override` installs and ``original(fn)`` every callable a hook takes through
+:meth:`Installation.original`. ``None`` (always, in use): both are the identity, at install time only."""
 
 _ACTIVE: list[Installation] = []
 """Installations alive now; the shared class-level patches stay while any is."""
@@ -456,10 +486,21 @@ class Installation:
         if self not in _ACTIVE:
             _ACTIVE.append(self)
 
+    def original(self, obj: Any, attr: str) -> Any:
+        """``getattr(obj, attr)``: what a hook calls through (taken at install, before :meth:`override`).
+
+        Hooks take every megatron / TE callable they wrap from here, so a measurement can tell the
+        hooks' own host time from the work they call (:data:`INSTRUMENT`; nothing is added otherwise).
+        """
+        fn = getattr(obj, attr)
+        return fn if INSTRUMENT is None else INSTRUMENT.original(fn)
+
     def override(self, obj: Any, attr: str, value: Any) -> None:
         """Shadow ``obj.attr`` with an instance attribute; uninstall deletes it (the class method shows again)."""
         had = attr in vars(obj)
         old = vars(obj).get(attr)
+        if INSTRUMENT is not None and callable(value):
+            value = INSTRUMENT.hook(value)
         setattr(obj, attr, value)
 
         def undo() -> None:

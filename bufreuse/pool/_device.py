@@ -8,6 +8,7 @@ dict lookup) and calls the C methods of ``torch._C._CudaEventBase`` directly (th
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,7 @@ def saved_hooks_push_pop(pack: Callable[[Any], Any], unpack: Callable[[Any], Any
     if push is None or pop is None:
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         return hooks.__enter__, lambda: hooks.__exit__(None, None, None)
-    return (lambda: push(pack, unpack)), pop
+    return functools.partial(push, pack, unpack), pop  # a C partial: no Python frame per region
 
 
 def env_debug() -> bool:

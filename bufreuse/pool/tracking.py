@@ -226,6 +226,18 @@ class SavedTracker:
         self._depth -= 1
         self._pop()
 
+    def run(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` inside a region: what ``with tracker:`` does, in one frame (the hot path's form)."""
+        self._push()
+        if self._depth == 0:
+            self.regions += 1
+        self._depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth -= 1
+            self._pop()
+
     @property
     def active(self) -> bool:
         """Whether a region of this tracker is open."""

@@ -150,9 +150,30 @@ def _profile_top(profile: dict[str, Any]) -> list[Table]:
     return tables
 
 
+def _hook_time_table(hook_time: dict[str, Any]) -> Table:
+    """Per hooked arm: the hooks' own host µs per layer call, the raw clock figure, entries and original calls."""
+    table = Table(title="Hooks' own host time per layer call (one instrumented round per arm)", title_justify="left")
+    for col in ("arm", "hook µs", "raw µs (with the clock)", "hook entries", "original calls"):
+        table.add_column(col, justify="left" if col == "arm" else "right")
+    for arm, h in hook_time["arms"].items():
+        table.add_row(
+            arm,
+            f"{h['us']:.1f}",
+            f"{h['raw_us']:.1f}",
+            f"{h['entries_per_layer_call']:.1f}",
+            f"{h['originals_per_layer_call']:.1f}",
+        )
+    for arm, h in hook_time["arms"].items():
+        for row in h.get("by_hook", []):
+            table.add_row(f"  {arm}: {row['hook']}", "", f"{row['raw_us']:.1f}", f"{row['entries']:.1f}", "")
+    return table
+
+
 def layer_bench_renderable(result: dict[str, Any]) -> Group:
     """The per-arm figures, the ratio table (with the control's drift), the profile (``--profile``) and notes."""
     parts: list[Any] = [_figures_table(result), _ratio_table(result)]
+    if result.get("hook_time"):
+        parts.append(_hook_time_table(result["hook_time"]))
     if result.get("profile"):
         parts += [_profile_table(result["profile"]), *_profile_top(result["profile"])]
     notes = []
@@ -162,6 +183,8 @@ def layer_bench_renderable(result: dict[str, Any]) -> Group:
         judged = result["summary"][arm][result["headline"]]["vs_control"]
         if judged["note"]:
             notes.append(f"{arm}: {judged['note']}")
+    if result.get("hook_time"):
+        notes.append(result["hook_time"]["note"])
     if result.get("profile"):
         notes.append(result["profile"]["note"])
     parts += [Text.assemble(("note: ", "yellow"), n) for n in notes]

@@ -150,8 +150,7 @@ class AllToAllAdapter:
         knobs = installation.knobs
         dtype = getattr(layer.config, "params_dtype", torch.float32)
         mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]
-        identity = identity_dispatch(layer.config, "alltoall") and not installation.ring_identity_dispatch
-        if "dispatch" in mine and identity:
+        if "dispatch" in mine and not dispatch_in_ring(installation, layer):
             mine.remove("dispatch")  # EP = 1: the all-to-all returns its input, nothing to replace
             installation.note_unused(DISPATCH, "EP = 1: the all-to-all returns its input (no allocation to replace)")
         bounds = static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens)
@@ -164,6 +163,14 @@ class AllToAllAdapter:
             _hook_expert(installation, layer, state)
 
 
+def dispatch_in_ring(inst: Installation, layer: Any) -> bool:
+    """Whether ``layer``'s all-to-all dispatch output goes into the dispatch ring (enabled, claimed, and not the
+    EP = 1 identity, unless the installation asks for it): then the experts can receive a slot."""
+    if not inst.hooks("alltoall", layer, "dispatch"):
+        return False
+    return not identity_dispatch(layer.config, "alltoall") or inst.ring_identity_dispatch
+
+
 def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     """Write the dispatch all-to-all into a slot; release it after its last forward reader, by fact."""
     import torch
@@ -173,7 +180,8 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     from bufreuse.integrations.alltoall.functions import RingAllToAll
 
     disp, pool = layer.token_dispatcher, inst.pool
-    orig_post, orig_compute = disp.dispatch_postprocess, layer.routed_experts_compute
+    orig_post = inst.original(disp, "dispatch_postprocess")
+    orig_compute = inst.original(layer, "routed_experts_compute")
     state.wgrad = hook_delayed_wgrad(inst, layer)
     if getattr(disp, "shared_experts", None) is not None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
@@ -251,7 +259,7 @@ def hook_delayed_wgrad(inst: Installation, layer: Any) -> deque[Any] | None:
     if not delayed_wgrad(layer.config) or not _fc1_delays_wgrad(experts):
         return None
     holds: deque[Any] = deque()
-    orig = experts.backward_dw
+    orig = inst.original(experts, "backward_dw")
 
     def backward_dw(*args: Any, **kwargs: Any) -> Any:
         result = orig(*args, **kwargs)
@@ -261,7 +269,7 @@ def hook_delayed_wgrad(inst: Installation, layer: Any) -> deque[Any] | None:
                 hold.done()  # FC1's wgrad read the slot on the current stream: released after it
         return result
 
-    inst.override(experts, "backward_dw", functools.wraps(orig)(backward_dw))
+    inst.override(experts, "backward_dw", functools.wraps(experts.backward_dw)(backward_dw))
     return holds
 
 
@@ -288,31 +296,38 @@ def hook_fc2_release(inst: Installation, layer: Any, queue: deque[Held]) -> None
 
     That stage is its last forward reader; the release still waits for anything a stage saved
     from it (the unpermute's ``index_add_`` under deterministic algorithms saves its source). A
-    stage runs in a saved-tensor region only when it receives the slot; a stage that can only
-    return a view of its input (:func:`passthrough_combine_stages`) is not hooked at all (in debug
-    mode it is, and raises if it saved the slot after all). Shared by the ``SequentialMLP`` hook
-    here and the TE adapter's grouped-MLP hooks.
+    stage runs in a saved-tensor region only when it receives ring storage; with no FC2 slot queued
+    (the stages after the release) production pays one emptiness test. A stage that can only return
+    a view of its input (:func:`passthrough_combine_stages`) is not hooked at all (in debug mode it
+    is, and raises if it saved the slot after all). Shared by the ``SequentialMLP`` hook here and
+    the TE adapter's grouped-MLP hooks.
     """
     disp, pool = layer.token_dispatcher, inst.pool
-    reads = pool.views_ring_storage  # any slot: robust to a front entry left stale by a forward that raised
+    views = pool.views_ring_storage  # any slot: robust to a front entry left stale by a forward that raised
+    run = pool.track_saved().run
     skip = passthrough_combine_stages(disp)
+    debug = pool.debug
 
-    def _after(name: str, stage: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(stage)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            out = stage(*args, **kwargs)
+    def _after(stage: Callable[..., Any]) -> Callable[..., Any]:
+        def combine_stage(*args: Any, **kwargs: Any) -> Any:
+            if not queue and not debug:
+                return stage(*args, **kwargs)
+            if views(args[0] if args else next(iter(kwargs.values()), None)):
+                out = run(stage, args, kwargs)
+            else:
+                out = stage(*args, **kwargs)
             if queue and not queue[0].read_by(out):
                 queue.popleft().release()
             return out
 
-        if name not in skip:
-            return tracked(pool, wrapper, reads)
-        return _checked_passthrough(inst, name, stage, queue)
+        return functools.wraps(stage)(combine_stage)
 
     for name in ("combine_preprocess", "token_combine", "combine_postprocess"):
-        if name in skip and not pool.debug:
+        if name in skip:
+            if debug:
+                inst.override(disp, name, _checked_passthrough(inst, name, inst.original(disp, name), queue))
             continue
-        inst.override(disp, name, _after(name, getattr(disp, name)))
+        inst.override(disp, name, _after(inst.original(disp, name)))
 
 
 def _checked_passthrough(inst: Installation, name: str, stage: Callable[..., Any], queue: deque[Held]) -> Any:
@@ -383,6 +398,7 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
     cfg = experts.config
     quantized = bool(cfg.fp8 or cfg.fp4)
     box: list[Held] = []
+    calls = [inst.original(e, "__call__") for e in experts.local_experts]  # e(x): the module's hooks run
 
     def forward(hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor, **kw: Any) -> Any:
         if kw:
@@ -392,9 +408,7 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
             probs = torch.ones_like(probs)
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         parts = []
-        for expert, tokens, p in zip(
-            experts.local_experts, torch.split(hidden, counts), torch.split(probs, counts), strict=True
-        ):
+        for expert, tokens, p in zip(calls, torch.split(hidden, counts), torch.split(probs, counts), strict=True):
             if quantized:
                 padded, p = pad_for_quantization(experts, tokens, p)
                 out, _ = expert(padded, p)

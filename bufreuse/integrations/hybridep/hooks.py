@@ -206,7 +206,7 @@ def _hook_dispatch(inst: Installation, layer: Any) -> None:
     from bufreuse.integrations._compat_megatron import comm_manager
 
     mgr, pool = comm_manager(layer.token_dispatcher), inst.pool
-    orig_dispatch, orig_compute = mgr.dispatch, layer.routed_experts_compute
+    orig_dispatch, orig_compute = inst.original(mgr, "dispatch"), inst.original(layer, "routed_experts_compute")
     held: deque[Held] = deque()
 
     def dispatch(hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True) -> Any:

@@ -8,11 +8,11 @@ Serves the expert buffer of layers whose experts are megatron-core's ``TEGrouped
   layers need this route (``te_op_fuser`` row); all-to-all layers take it when the fuser is on.
 - **module** (the non-fused ``TEGroupedMLP`` of all-to-all layers, what Hopper runs): FC2 is TE's
   ``GroupedLinear`` behind megatron's ``TEGroupedLinear.forward(x, m_splits)``, which calls
-  ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes no ``out=``. An instance
-  override of ``linear_fc2.forward`` acquires the slot and arms it; a class-level patch of the TE
-  class whose ``forward`` takes ``out=`` (found in the MRO by signature, installed while any hooked
-  layer lives, see :func:`bufreuse.integrations.te.out_route.patch_out_route`) hands the armed slot over as
-  ``out=``. Under FP8/FP4 without router-side padding, FC2 writes the padded rows and
+  ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes no ``out=``. The hooked
+  ``linear_fc2`` is switched to a subclass whose MRO puts one shim between megatron's class and the TE
+  class whose ``forward`` takes ``out=`` (found by signature; see
+  :func:`bufreuse.integrations.te.out_route.routing_class`): the shim acquires the slot and passes it
+  as ``out=``. Under FP8/FP4 without router-side padding, FC2 writes the padded rows and
   ``Fp8Unpadding`` copies them out: the slot's last reader is then that copy inside the experts, and
   combine reads a fresh allocation (the ring replaces TE's padded FC2 output, not the combine input).
 
@@ -40,6 +40,7 @@ from bufreuse.integrations.core import (
     Requirement,
     acquire_with_hint,
     cfg_get,
+    slot_acquirer,
     tracked,
 )
 from bufreuse.integrations.hybridep.hooks import is_hybridep_layer
@@ -162,7 +163,7 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
     from bufreuse.integrations.alltoall.hooks import experts_tracking
     from bufreuse.integrations.te.out_route import output_alias
 
-    pool, orig_forward = inst.pool, experts.forward
+    pool, orig_forward = inst.pool, inst.original(experts, "forward")
 
     def forward(
         hidden: torch.Tensor,
@@ -204,7 +205,7 @@ def _cols(layer: Any) -> int:
 
 def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
     experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
-    orig_combine = disp.token_combine
+    orig_combine = inst.original(disp, "token_combine")
     held: deque[Held] = deque()
 
     def token_combine(hidden_states: Any, async_finish: bool = True, allocate_on_comm_stream: bool = True) -> Any:
@@ -226,55 +227,32 @@ def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
 
 
 def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
-    """``linear_fc2`` (TE ``GroupedLinear``) writes into a slot through ``out=``; see the module docstring."""
-    import torch
+    """``linear_fc2`` (TE ``GroupedLinear``) writes into a slot through ``out=``; see the module docstring.
 
-    from bufreuse.integrations.alltoall.hooks import experts_tracking, hook_fc2_release
-    from bufreuse.integrations.te.out_route import ARMED_OUT, out_route_class, use_out_route
+    Per layer call the forward pays one shim frame (acquire, TE's forward with ``out=``, the storage
+    check) and the combine stages' release (:func:`~bufreuse.integrations.alltoall.hooks.hook_fc2_release`).
+    The experts' forward is wrapped only where it can receive ring storage (this layer's dispatch ring)
+    or in debug mode (which checks nothing after FC2 saves its output); an FC2 output the experts copy
+    (FP8 unpadding, a bias add) is released by the first combine stage, whose output no longer views it.
+    """
+    from bufreuse.integrations.alltoall.hooks import dispatch_in_ring, experts_tracking, hook_fc2_release
+    from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
 
     experts, pool = layer.experts, inst.pool
     fc2 = experts.linear_fc2
-    use_out_route(inst, out_route_class(type(fc2)))
-    armed: list[torch.Tensor] = []
-    inst.override(fc2, ARMED_OUT, armed)
-    orig_fc2 = fc2.forward
-    cols = int(fc2.out_features)
     queue: deque[Held] = deque()
+    entry = pool.get(EXPERT)
 
-    def fc2_forward(x: torch.Tensor, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
-        rows = int(sum(m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits))
-        slot = acquire_with_hint(pool, EXPERT, (rows, cols), x.dtype)
-        try:
-            if armed:
-                raise ConfigError("a GroupedLinear output buffer is already armed (re-entrant FC2 forward)")
-            armed.append(slot.detach())  # TE takes out= with requires_grad=False: a detached alias
-            result = orig_fc2(x, m_splits, *args, **kwargs)
-            if armed:
-                raise BackendContractError(
-                    "Transformer Engine", "GroupedLinear.forward", "was not reached through the patched out= route"
-                )
-            y = result[0] if isinstance(result, tuple) else result
-            if y.data_ptr() != slot.data_ptr():
-                raise BackendContractError(
-                    "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
-                )
-        except BaseException:
-            armed.clear()
-            pool.release(EXPERT, slot)
-            raise
-        queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
-        return result
+    def queued(slot: Any) -> None:
+        queue.append(Held(pool, EXPERT, slot, entry))
 
-    tracked_experts = experts_tracking(inst, experts.forward, queue)
-
-    def experts_forward(*args: Any, **kwargs: Any) -> Any:
-        output, bias = tracked_experts(*args, **kwargs)
-        if queue and not queue[-1].read_by(output):
-            queue.pop().release()  # the FP8 unpadding (or the bias add) copied it: its last reader ran here
-        return output, bias
-
-    inst.override(fc2, "forward", fc2_forward)
-    inst.override(experts, "forward", experts_forward)
+    te_cls = out_route_class(type(fc2))
+    if te_cls is None:
+        raise ConfigError(f"no Transformer Engine GroupedLinear.forward(out=) in {type(fc2).__name__}'s classes")
+    te_forward = inst.original(te_cls, "forward")
+    route_into_ring(inst, fc2, Fc2Route(slot_acquirer(pool, EXPERT), int(fc2.out_features), entry, queued, te_forward))
+    if pool.debug or dispatch_in_ring(inst, layer):
+        inst.override(experts, "forward", experts_tracking(inst, inst.original(experts, "forward"), queue))
     hook_fc2_release(inst, layer, queue)
 
 

@@ -6,13 +6,14 @@ Two routes, detected by feature (``bufreuse.integrations.features.te_grouped_out
   take ``op_kwargs={-1: {OUTPUT_BUFFER_KEY: buffer}}`` (key from
   ``transformer_engine.pytorch.ops.basic.grouped_linear``; -1 is the FC2 basic op);
 - the module: ``GroupedLinear.forward(inp, m_splits, ..., out=buffer)`` (TE PR #3161). megatron's
-  ``TEGroupedLinear.forward(x, m_splits)`` passes no ``out=``, so :func:`patch_out_route` patches the
-  TE class (found by signature) to take an armed buffer from the instance (:data:`ARMED_OUT`), while
-  any hooked layer needs it (:func:`use_out_route`).
+  ``TEGroupedLinear.forward(x, m_splits)`` passes no ``out=``, so the hooked FC2 module is switched to
+  a subclass (:func:`routing_class`) whose MRO puts one shim ``forward`` between megatron's class and
+  TE's: it acquires the slot and passes it as ``out=`` (:func:`route_into_ring`). Nothing else is
+  patched: FC1, other layers and the control run their own classes.
 
-TE needs the buffer with the exact output shape, contiguous, and ``requires_grad=False``: a ring
-slot is handed over as a detached alias of the same storage (no copy). TE's torch part needs a
-CUDA build, so only fakes exercise this here.
+TE needs the buffer with the exact output shape, contiguous, and ``requires_grad=False``: every ring
+acquisition is a fresh tensor over its slot's storage that requires no grad (no copy, no extra alias).
+TE's torch part needs a CUDA build, so only fakes exercise this here; the H200 runs it with real TE.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from bufreuse.integrations._compat_megatron import te_fused_impl
 from bufreuse.integrations.features import accepts_keyword
 
 __all__ = [
-    "ARMED_OUT",
     "FC2_OP_INDEX",
-    "arm_out",
+    "ROUTE",
+    "Fc2Route",
     "grouped_linear_into",
     "out_route_class",
     "output_alias",
     "output_buffer_op_kwargs",
-    "patch_out_route",
     "require_fused_output_buffer",
-    "use_out_route",
+    "route_into_ring",
+    "routing_class",
 ]
 
 FC2_OP_INDEX = -1
@@ -93,11 +94,11 @@ def require_fused_output_buffer(experts: Any, experts_module: Any) -> None:
         raise ConfigError("expert-output reuse needs " + "; ".join(missing))
 
 
-ARMED_OUT = "_bufreuse_armed_out"
-"""Instance attribute (a list) holding the buffer the next ``GroupedLinear.forward`` call writes into."""
+ROUTE = "_bufreuse_fc2_route"
+"""Instance attribute of a hooked FC2 module: its :class:`Fc2Route` (what the routing class's forward reads)."""
 
-_routes: dict[type, list[Any]] = {}
-"""Patched TE class -> [undo, users]; the patch stays while any hooked layer uses it."""
+_ROUTING: dict[type, type] = {}
+"""FC2 module class -> its routing subclass (made once per class)."""
 
 
 def out_route_class(cls: type) -> type | None:
@@ -109,51 +110,78 @@ def out_route_class(cls: type) -> type | None:
     return None
 
 
-def arm_out(armed: list[torch.Tensor], buffer: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Arm ``buffer`` (as its detached alias of ``shape``) for the next patched forward of that module."""
-    if armed:
-        raise ConfigError("a GroupedLinear output buffer is already armed (re-entrant FC2 forward)")
-    armed.append(output_alias(buffer, shape))
+class Fc2Route:
+    """One hooked FC2 module's state: where its output goes (a ring slot) and where the slot is queued."""
+
+    __slots__ = ("acquire", "cols", "entry", "on_acquired", "te_forward")
+
+    def __init__(self, acquire: Callable[..., Any], cols: int, entry: Any, on_acquired: Callable[[Any], None],
+                 te_forward: Callable[..., Any]) -> None:  # fmt: skip
+        self.acquire = acquire
+        """``acquire(shape, dtype)`` of a slot (``bufreuse.integrations.core.slot_acquirer``)."""
+        self.cols = cols
+        self.entry = entry
+        """The pool buffer the slots come from (a failed forward releases its slot there)."""
+        self.on_acquired = on_acquired
+        """Called with the slot once TE wrote it (queues the release)."""
+        self.te_forward = te_forward
+        """TE's ``forward`` taking ``out=`` (the class's own, looked up at install)."""
 
 
-def patch_out_route(cls: type) -> Callable[[], None]:
-    """Patch ``cls.forward`` to pass an instance's armed buffer as ``out=``; returns the undo.
+def _routing_forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
+    """TE's ``forward`` with ``out=`` a ring slot: the FC2 output written into the ring, checked, queued."""
+    route = self.__dict__[ROUTE]
+    if kwargs.get("out") is not None:
+        raise ConfigError("GroupedLinear.forward got out= and a bufreuse output buffer; disable expert reuse")
+    slot = route.acquire((inp.shape[0], route.cols), inp.dtype)
+    try:
+        result = route.te_forward(self, inp, m_splits, *args, out=slot, **kwargs)
+        y = result[0] if type(result) is tuple else result
+        if y.data_ptr() != slot.data_ptr():
+            raise BackendContractError(
+                "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
+            )
+    except BaseException:
+        route.entry.release(slot)
+        raise
+    route.on_acquired(slot)
+    return result
 
-    Instances without an armed buffer call the original unchanged. An explicit ``out=`` together
-    with an armed buffer is refused (two writers for one output).
+
+def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> type:
+    """A subclass of ``cls`` (megatron's ``TEGroupedLinear``) whose ``super().forward`` lands in the ring route.
+
+    megatron's ``TEGroupedLinear.forward(x, m_splits)`` calls ``super().forward(x, m_splits,
+    is_first_microbatch=...)`` and passes no ``out=``. In this class's MRO a shim sits between megatron's
+    class and TE's (``out_route_class``): its ``forward`` (:func:`_routing_forward`) acquires the slot and
+    calls TE's with ``out=``. Only instances switched to it (:func:`route_into_ring`) take the route: FC1,
+    other layers and uninstalled modules run their own class untouched.
     """
-    orig = vars(cls)["forward"]
-
-    def forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
-        armed = self.__dict__.get(ARMED_OUT)
-        if armed:
-            if kwargs.get("out") is not None:
-                raise ConfigError("GroupedLinear.forward got out= and a bufreuse output buffer; disable expert reuse")
-            kwargs["out"] = armed.pop()
-        return orig(self, inp, m_splits, *args, **kwargs)
-
-    forward.__wrapped__ = orig  # type: ignore[attr-defined]  # keeps the signature visible to feature checks
-    cls.forward = forward  # type: ignore[attr-defined]
-
-    def undo() -> None:
-        cls.forward = orig  # type: ignore[attr-defined]
-
-    return undo
+    default = forward is _routing_forward
+    routed = _ROUTING.get(cls) if default else None
+    if routed is None:
+        te_cls = out_route_class(cls)
+        if te_cls is None:
+            raise ConfigError(f"no Transformer Engine GroupedLinear.forward(out=) in {cls.__name__}'s classes")
+        shim = type(f"_RingOut{te_cls.__name__}", (te_cls,), {"forward": forward, "__module__": __name__})
+        bases = (shim,) if cls is te_cls else (cls, shim)
+        routed = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        if default:
+            _ROUTING[cls] = routed
+    return routed
 
 
-def use_out_route(installation: Any, cls: type | None) -> None:
-    """Keep :func:`patch_out_route` on ``cls`` while ``installation`` lives (shared, counted)."""
-    if cls is None:
-        raise ConfigError("no Transformer Engine GroupedLinear.forward(out=) in this FC2 module's classes")
-    route = _routes.get(cls)
-    if route is None:
-        route = _routes[cls] = [patch_out_route(cls), 0]
-    route[1] += 1
+def route_into_ring(installation: Any, module: Any, route: Fc2Route) -> None:
+    """Switch ``module`` (an FC2 ``GroupedLinear``) to :func:`routing_class` with ``route``; undone at uninstall."""
+    from bufreuse.integrations import core
 
-    def release() -> None:
-        route[1] -= 1
-        if route[1] == 0 and _routes.get(cls) is route:
-            del _routes[cls]
-            route[0]()
+    cls = type(module)
+    routed = routing_class(cls, _routing_forward if core.INSTRUMENT is None else core.INSTRUMENT.hook(_routing_forward))
+    installation.override(module, ROUTE, route)
+    module.__class__ = routed
 
-    installation.on_uninstall(release)
+    def restore() -> None:
+        if type(module) is routed:
+            module.__class__ = cls
+
+    installation.on_uninstall(restore)

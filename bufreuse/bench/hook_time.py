@@ -1,0 +1,185 @@
+"""The hooks' own host time per layer call: time spent in bufreuse's hook code, not in the work it wraps.
+
+A wall or host A/B of a whole layer call cannot resolve microseconds (the call takes milliseconds and
+the host drifts by percents between rounds). This measures the hooks directly, in one instrumented
+round: while ``install()`` runs, :data:`bufreuse.integrations.core.INSTRUMENT` is a :class:`HookClock`,
+so every hook entry the installation puts in place (``Installation.override``, TE's routing shim) is
+wrapped as *hook* and every megatron / TE callable a hook calls through (``Installation.original``) as
+*original*. The saved-tensor pack/unpack pair, the saved-reference holder's ``__del__`` (run by
+autograd in backward) and the autograd Functions' backward are wrapped as hooks for the round.
+
+Time is charged to the hooks while the innermost wrapped frame on the calling thread is a hook: the
+hooks' Python, the torch calls they make (event record/wait, views, pointer reads) and the bookkeeping
+between them; nothing inside the originals. The clock's own cost inside the intervals is measured in
+the same process (:func:`calibrate`) and subtracted per entry and per original call, so the figure is
+the hooks' time with the instrumentation taken out. What the control does instead of the hooks (the
+allocator call the ring replaces, inside TE or megatron) is not subtracted: the figure is the hooks'
+cost, not the difference of two arms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["HookClock", "calibrate", "instrumented"]
+
+
+class _Thread(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[str | None] = []
+        """Innermost last: a hook's name, or None for an original."""
+        self.last = 0
+
+
+class HookClock:
+    """Exclusive host time of hook frames (see the module docstring); one per measured round."""
+
+    def __init__(self) -> None:
+        self._t = _Thread()
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was charged (after a warm-up)."""
+        self.hook_ns = 0
+        self.entries = 0
+        """Hook entries (outermost or nested) seen."""
+        self.originals = 0
+        """Original calls made while a hook was the innermost frame."""
+        self.by_hook: dict[str, list[int]] = {}
+        """Hook name -> [ns charged, entries]."""
+
+    def _charge(self, name: str, ns: int, entered: int = 0) -> None:
+        with self._lock:
+            self.hook_ns += ns
+            row = self.by_hook.get(name)
+            if row is None:
+                row = self.by_hook[name] = [0, 0]
+            row[0] += ns
+            row[1] += entered
+
+    def hook(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as a hook: its time (less the originals it calls) is charged."""
+        clock, t = time.perf_counter_ns, self._t
+        name = _name(fn)
+
+        @functools.wraps(fn)
+        def timed_hook(*args: Any, **kwargs: Any) -> Any:
+            now = clock()
+            stack = t.stack
+            if stack and stack[-1] is not None:
+                self._charge(stack[-1], now - t.last)  # a hook calling a hook: the outer one's time so far
+            stack.append(name)
+            self.entries += 1
+            t.last = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._charge(name, clock() - t.last, 1)
+                stack.pop()
+                t.last = clock()
+
+        return timed_hook
+
+    def original(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as work a hook calls: its time is not charged."""
+        clock, t = time.perf_counter_ns, self._t
+
+        @functools.wraps(fn)
+        def timed_original(*args: Any, **kwargs: Any) -> Any:
+            now = clock()
+            stack = t.stack
+            if stack and stack[-1] is not None:
+                self._charge(stack[-1], now - t.last)
+                self.originals += 1
+            stack.append(None)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stack.pop()
+                t.last = clock()
+
+        return timed_original
+
+
+def _name(fn: Any) -> str:
+    """The hook's own module and qualified name (its code's, not what ``functools.wraps`` copied onto it)."""
+    code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is not None and glb is not None:
+        return f"{glb.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def calibrate(repeats: int = 20000) -> dict[str, float]:
+    """The clock's own cost charged per hook entry and per original call, in ns (median of 5 batches).
+
+    A hook that does nothing is charged ``entry_ns``; each original call inside a hook adds ``original_ns``
+    (both include one Python call frame, which real hooks also pay: the correction errs low).
+    """
+
+    def noop() -> None:
+        return None
+
+    def batch(k: int) -> float:
+        clock = HookClock()
+        inner = clock.original(noop)
+
+        def body() -> None:
+            for _ in range(k):
+                inner()
+
+        hooked = clock.hook(body)
+        for _ in range(repeats):
+            hooked()
+        return clock.hook_ns / repeats
+
+    entry = statistics.median(batch(0) for _ in range(5))
+    with_one = statistics.median(batch(1) for _ in range(5))
+    return {"entry_ns": entry, "original_ns": max(with_one - entry, 0.0)}
+
+
+@contextlib.contextmanager
+def instrumented(clock: HookClock) -> Iterator[Callable[[], None]]:
+    """Wrap the pool's and the Functions' hook code for the block; yields ``arm()``, to call around ``install()``.
+
+    ``arm()`` is a context manager: while it is open :data:`~bufreuse.integrations.core.INSTRUMENT` is
+    ``clock`` (the installation wraps its hook entries and originals) and pools built inside get
+    hook-wrapped saved-tensor pairs.
+    """
+    from bufreuse.integrations import core
+    from bufreuse.integrations.alltoall import functions
+    from bufreuse.pool import tracking
+
+    undo: list[Callable[[], None]] = []
+
+    def patch(obj: Any, attr: str, value: Any) -> None:
+        old = vars(obj)[attr]
+        setattr(obj, attr, value)
+        undo.append(lambda: setattr(obj, attr, old))
+
+    patch(tracking._SavedRef, "__del__", clock.hook(tracking._SavedRef.__del__))
+    for fn_cls in (functions.RingAllToAll, functions.CatIntoRing):
+        patch(fn_cls, "backward", staticmethod(clock.hook(vars(fn_cls)["backward"].__func__)))
+
+    @contextlib.contextmanager
+    def arm() -> Iterator[None]:
+        pack_unpack = tracking._pack_unpack
+        tracking._pack_unpack = lambda registry, strict: tuple(map(clock.hook, pack_unpack(registry, strict)))
+        core.INSTRUMENT = clock
+        try:
+            yield
+        finally:
+            core.INSTRUMENT = None
+            tracking._pack_unpack = pack_unpack
+
+    try:
+        yield arm
+    finally:
+        while undo:
+            undo.pop()()

@@ -1,0 +1,92 @@
+"""The hooks' own host time (``bufreuse bench layer --hook-time``): hooks are charged, the work they wrap is not.
+
+The clock is checked against busy-waits of known length (a hook's own wait is charged, an original's
+is not, a hook nested inside an original is charged again), then on the real tiny CPU layer: a wait
+injected into a hook's own code raises the figure by that wait, the same wait in the megatron stage the
+hook calls does not move it, and the control arm runs no hook at all.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from bufreuse.bench.hook_time import HookClock, calibrate
+
+WAIT_US = 400
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def test_clock_charges_a_hooks_own_time_and_not_the_originals_it_calls() -> None:
+    clock = HookClock()
+    original = clock.original(lambda: _spin(3 * WAIT_US))
+    nested_hook = clock.hook(lambda: _spin(WAIT_US))
+    original_calling_a_hook = clock.original(lambda: (_spin(WAIT_US), nested_hook()))
+
+    def body() -> None:
+        _spin(WAIT_US)
+        original()
+        original_calling_a_hook()
+
+    clock.hook(body)()
+    # own wait + the nested hook's wait; the originals' 4 waits are not charged
+    assert 2 * WAIT_US <= clock.hook_ns / 1e3 < 2 * WAIT_US + 150
+    assert clock.entries == 2 and clock.originals == 2
+    # positive control: the same work all as hooks is charged in full
+    full = HookClock()
+    full.hook(lambda: (_spin(WAIT_US), full.hook(lambda: _spin(3 * WAIT_US))()))()
+    assert full.hook_ns / 1e3 >= 4 * WAIT_US
+
+
+def test_calibration_is_the_clocks_cost_of_an_empty_hook() -> None:
+    bias = calibrate(repeats=2000)
+    assert 0 < bias["entry_ns"] < 20_000 and 0 <= bias["original_ns"] < 20_000
+
+
+pytest.importorskip("megatron.core")
+
+from bufreuse.cli import app  # noqa: E402
+
+runner = CliRunner()
+FAST = ["--preset", "tiny", "--device", "cpu", "--microbatches", "2", "--steps", "2", "--rounds", "2",
+        "--warmup", "0", "--json"]  # fmt: skip
+
+
+def _hook_us() -> dict:
+    result = runner.invoke(app, ["bench", "layer", *FAST])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["hook_time"]
+
+
+def test_layer_hook_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatch) -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    from bufreuse.integrations import core
+
+    base = _hook_us()
+    assert list(base["arms"]) == ["ring"]  # the control is never instrumented: no hooks run there
+    ring = base["arms"]["ring"]
+    assert ring["entries_per_layer_call"] >= 2 and ring["originals_per_layer_call"] >= 1
+    assert base["calibration_ns"]["entry_ns"] > 0
+
+    # a wait in megatron's combine stage (an original the hook calls) is not the hooks' time
+    stage = D.combine_postprocess
+    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(WAIT_US), stage(self, *a, **k))[1])
+    slow_original = _hook_us()["arms"]["ring"]["us"]
+    monkeypatch.setattr(D, "combine_postprocess", stage)
+
+    # the same wait inside the hook's own code (the release after that stage) is: once per layer call
+    release = core.Held.release
+    monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(WAIT_US), release(self, *a))[1])
+    slow_hook = _hook_us()["arms"]["ring"]["us"]
+
+    assert slow_hook - ring["us"] > 0.8 * WAIT_US
+    assert abs(slow_original - ring["us"]) < 0.5 * WAIT_US
