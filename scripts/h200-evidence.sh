@@ -74,14 +74,15 @@ case $stage in
     # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method
     te_env
     for name in "$@"; do
-      code=(); n=$name
-      if [[ $n == old-* ]]; then code=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH"); n=${n#old-}; fi
+      py=(python3); n=$name
+      # -P: the working directory (this checkout) does not shadow .old on sys.path
+      if [[ $n == old-* ]]; then py=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH" python3 -P); n=${n#old-}; fi
       IFS=- read -r preset routing precision <<<"$n"
       args=(--preset "$preset-bound" --spec te --precision "$precision" --rounds "${ROUNDS:-10}")
       [ "$routing" = pad ] && args+=(--pad)
       [ "$preset" = host ] && args+=(--profile)
       log "bench layer $name"
-      timeout -k 10 "${BENCH_TIMEOUT:-130}" "${code[@]}" python3 -m bufreuse bench layer "${args[@]}" --json \
+      timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"
     done
     ;;

@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 from bufreuse.bench.hook_time import HookClock, calibrate
 
 WAIT_US = 400
+LAYER_WAIT_US = 2000
+"""Beside a tiny layer call's own hook time (~100-300 µs on a CPU box, ±50 between runs)."""
 
 
 def _spin(us: float) -> None:
@@ -38,7 +40,7 @@ def test_clock_charges_a_hooks_own_time_and_not_the_originals_it_calls() -> None
 
     clock.hook(body)()
     # own wait + the nested hook's wait; the originals' 4 waits are not charged
-    assert 2 * WAIT_US <= clock.hook_ns / 1e3 < 2 * WAIT_US + 150
+    assert 2 * WAIT_US <= clock.hook_ns / 1e3 < 3 * WAIT_US  # the originals would add 4 waits
     assert clock.entries == 2 and clock.originals == 2
     # positive control: the same work all as hooks is charged in full
     full = HookClock()
@@ -79,14 +81,14 @@ def test_layer_hook_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatc
 
     # a wait in megatron's combine stage (an original the hook calls) is not the hooks' time
     stage = D.combine_postprocess
-    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(WAIT_US), stage(self, *a, **k))[1])
+    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
     slow_original = _hook_us()["arms"]["ring"]["us"]
     monkeypatch.setattr(D, "combine_postprocess", stage)
 
     # the same wait inside the hook's own code (the release after that stage) is: once per layer call
     release = core.Held.release
-    monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(WAIT_US), release(self, *a))[1])
+    monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(LAYER_WAIT_US), release(self, *a))[1])
     slow_hook = _hook_us()["arms"]["ring"]["us"]
 
-    assert slow_hook - ring["us"] > 0.8 * WAIT_US
-    assert abs(slow_original - ring["us"]) < 0.5 * WAIT_US
+    assert slow_hook - ring["us"] > 0.8 * LAYER_WAIT_US
+    assert abs(slow_original - ring["us"]) < 0.5 * LAYER_WAIT_US

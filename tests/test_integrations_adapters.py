@@ -146,7 +146,7 @@ class _MegatronTEGroupedLinear(te.GroupedLinear):
 
 def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone() -> None:
     from bufreuse.config import BufReuseConfig
-    from bufreuse.integrations.core import Installation, slot_acquirer
+    from bufreuse.integrations.core import Installation
     from bufreuse.integrations.te.out_route import ROUTE, Fc2Route, route_into_ring
 
     hidden, _, _ = _routing()
@@ -156,12 +156,12 @@ def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone
     fc1, fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8), _MegatronTEGroupedLinear(4, HIDDEN, 8)
     fc1.weights = fc2.weights
     ref = te.GroupedLinearUpstream.forward(fc2, hidden, splits)
-    got: list[torch.Tensor] = []
+    got: list = []
     inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
-    route = Fc2Route(slot_acquirer(pool, name), 8, pool.get(name), got.append, te.GroupedLinear.forward)
-    route_into_ring(inst, fc2, route)
+    route_into_ring(inst, fc2, Fc2Route(pool, name, 8, got, te.GroupedLinear.forward))
     y, _ = fc2(hidden, splits)
-    assert len(got) == 1 and y.data_ptr() == got[0].data_ptr() and pool.owns(name, got[0])
+    assert len(got) == 1 and y.data_ptr() == got[0].tensor.data_ptr() and pool.owns(name, got[0].tensor)
+    assert got[0].read_by(y) and (got[0].lo, got[0].hi) == (y.data_ptr(), y.data_ptr() + y.nbytes)
     assert torch.equal(y, ref) and isinstance(fc2, _MegatronTEGroupedLinear)
     # the other module of the same class (FC1, another layer, the control) runs its own class: no slot
     y1, _ = fc1(hidden, splits)
@@ -170,7 +170,7 @@ def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone
     with pytest.raises(ConfigError, match="out="):
         type(fc2).__mro__[2].forward(fc2, hidden, splits, out=torch.empty(TOKENS, 8))
     assert pool.get(name).held == 1
-    pool.release(name, got.pop())
+    pool.release(name, got.pop().tensor)
     inst.uninstall()
     assert type(fc2) is _MegatronTEGroupedLinear and ROUTE not in vars(fc2)
     y2, _ = fc2(hidden, splits)
@@ -179,7 +179,7 @@ def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone
 
 def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back() -> None:
     from bufreuse.config import BufReuseConfig
-    from bufreuse.integrations.core import Installation, slot_acquirer
+    from bufreuse.integrations.core import Installation
     from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
 
     hidden, _, _ = _routing()
@@ -190,9 +190,9 @@ def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back()
     def ignores_out(self, inp, m_splits, *args, out=None, **kwargs):
         return te.GroupedLinear.forward(self, inp, m_splits, *args, **kwargs)
 
-    got: list[torch.Tensor] = []
+    got: list = []
     with Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS) as inst:
-        route_into_ring(inst, fc2, Fc2Route(slot_acquirer(pool, name), 8, pool.get(name), got.append, ignores_out))
+        route_into_ring(inst, fc2, Fc2Route(pool, name, 8, got, ignores_out))
         with pytest.raises(BackendContractError, match="ignored out="):
             fc2(hidden, [3, 5, 0, 4])
     assert got == [] and pool.get(name).held == 0 and pool.stats()[name].acquisitions == 1

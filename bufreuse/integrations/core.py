@@ -61,6 +61,7 @@ __all__ = [
     "aliases",
     "cfg_get",
     "cfg_has",
+    "dtype_refusal",
     "effective_config",
     "expected_deferred",
     "install_refusals",
@@ -68,8 +69,8 @@ __all__ = [
     "ring_name",
     "shared_patch",
     "shared_patches_applied",
-    "slot_acquirer",
     "tracked",
+    "with_reuse_hint",
 ]
 
 _log = logging.getLogger("bufreuse.integrations")
@@ -306,14 +307,16 @@ class Held:
 
     __slots__ = ("deferred", "entry", "hi", "lo", "name", "pool", "released", "tensor")
 
-    def __init__(self, pool: BufferPool, name: str, tensor: torch.Tensor, entry: Any = None) -> None:
+    def __init__(
+        self, pool: BufferPool, name: str, tensor: torch.Tensor, entry: Any = None, span: tuple[int, int] | None = None
+    ) -> None:
         self.pool = pool
         self.name = name
         self.tensor = tensor
         self.entry = pool.get(name) if entry is None else entry
         """The pool's buffer ``name`` (hot paths pass the one they acquired from: no lookup per call)."""
-        self.lo = tensor.data_ptr()
-        self.hi = self.lo + tensor.nbytes
+        self.lo, self.hi = (tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes) if span is None else span
+        """The acquisition's bytes (hot paths that read the pointer already pass them)."""
         self.released = False
         self.deferred = False
         """Whether the release waited for a saved reference or a hold (what the planner's rule must predict)."""
@@ -356,22 +359,29 @@ def acquire_with_hint(
         StaticShapeError: ``dtype`` is not the registered one (a copy would cast silently); nothing
             stays acquired.
     """
-    from bufreuse.pool import EarlyReuseError, StaticShapeError
+    from bufreuse.pool import EarlyReuseError
 
     try:
         tensor = pool.acquire(name, shape)
     except EarlyReuseError as e:
-        raise _with_hint(pool, name, e) from e
+        raise with_reuse_hint(pool, name, e) from e
     if dtype is not None and tensor.dtype != dtype:
         pool.release(name, tensor)
-        raise StaticShapeError(
-            f"buffer '{name}' holds {tensor.dtype} but the layer produces {dtype}; the ring dtype comes from "
-            "TransformerConfig.params_dtype (set bf16/params_dtype to the activation dtype)"
-        )
+        raise dtype_refusal(name, tensor.dtype, dtype)
     return tensor
 
 
-def _with_hint(pool: BufferPool, name: str, e: Any) -> Exception:
+def dtype_refusal(name: str, held: Any, produced: Any) -> Exception:
+    """The ``StaticShapeError`` for a layer producing ``produced`` into buffer ``name`` of dtype ``held``."""
+    from bufreuse.pool import StaticShapeError
+
+    return StaticShapeError(
+        f"buffer '{name}' holds {held} but the layer produces {produced}; the ring dtype comes from "
+        "TransformerConfig.params_dtype (set bf16/params_dtype to the activation dtype)"
+    )
+
+
+def with_reuse_hint(pool: BufferPool, name: str, e: Any) -> Exception:
     """``e`` (an ``EarlyReuseError``) again, its message naming the knob to raise and the planner's minimum."""
     from bufreuse.integrations.planned import planned_minimum
     from bufreuse.pool import EarlyReuseError
@@ -387,30 +397,6 @@ def _with_hint(pool: BufferPool, name: str, e: Any) -> Exception:
     if plan:
         hint += f" (the planner's minimum for this schedule is {plan[0]}: {plan[1]})"
     return EarlyReuseError(f"{e} -> {hint}", ring=e.ring, slot=e.slot, generation=e.generation, min_depth=e.min_depth)
-
-
-def slot_acquirer(pool: BufferPool, name: str) -> Callable[[tuple[int, ...], Any], torch.Tensor]:
-    """``acquire(shape, dtype)``: :func:`acquire_with_hint` bound once to the pool's buffer ``name`` (hot paths).
-
-    Same errors, in the same words; the dtype is refused before anything is acquired.
-    """
-    from bufreuse.pool import EarlyReuseError, StaticShapeError
-
-    entry = pool.get(name)
-    acquire, ring_dtype = entry.acquire, entry.dtype
-
-    def acquire_slot(shape: tuple[int, ...], dtype: Any) -> torch.Tensor:
-        if dtype is not ring_dtype and dtype is not None:
-            raise StaticShapeError(
-                f"buffer '{name}' holds {ring_dtype} but the layer produces {dtype}; the ring dtype comes from "
-                "TransformerConfig.params_dtype (set bf16/params_dtype to the activation dtype)"
-            )
-        try:
-            return acquire(shape)
-        except EarlyReuseError as e:
-            raise _with_hint(pool, name, e) from e
-
-    return acquire_slot
 
 
 INSTRUMENT: Any = None

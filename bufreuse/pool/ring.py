@@ -298,7 +298,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             self._release_other(tensor, stream)
             return True
         if self._cuda:
-            stream = self._consumer_stream(tensor, stream, slot)
+            stream = self._ops.current_stream() if stream is None else self._consumer_stream(tensor, stream, slot)
         if slot.saved_refs or slot.holds:
             with self._lock:  # re-checked under the lock the readers' completions take: no lost release
                 if slot.saved_refs or slot.holds:

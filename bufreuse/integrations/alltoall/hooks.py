@@ -296,28 +296,46 @@ def hook_fc2_release(inst: Installation, layer: Any, queue: deque[Held]) -> None
 
     That stage is its last forward reader; the release still waits for anything a stage saved
     from it (the unpermute's ``index_add_`` under deterministic algorithms saves its source). A
-    stage runs in a saved-tensor region only when it receives ring storage; with no FC2 slot queued
-    (the stages after the release) production pays one emptiness test. A stage that can only return
+    stage runs in a saved-tensor region only when it receives one of this layer's queued FC2 slots
+    (debug mode: any ring storage, so strict mode sees a released slot being saved); with no FC2 slot
+    queued (the stages after the release) production pays one emptiness test. A stage that can only return
     a view of its input (:func:`passthrough_combine_stages`) is not hooked at all (in debug mode it
     is, and raises if it saved the slot after all). Shared by the ``SequentialMLP`` hook here and
     the TE adapter's grouped-MLP hooks.
     """
     disp, pool = layer.token_dispatcher, inst.pool
-    views = pool.views_ring_storage  # any slot: robust to a front entry left stale by a forward that raised
     run = pool.track_saved().run
     skip = passthrough_combine_stages(disp)
     debug = pool.debug
+    views = pool.views_ring_storage
 
     def _after(stage: Callable[..., Any]) -> Callable[..., Any]:
         def combine_stage(*args: Any, **kwargs: Any) -> Any:
             if not queue and not debug:
                 return stage(*args, **kwargs)
-            if views(args[0] if args else next(iter(kwargs.values()), None)):
-                out = run(stage, args, kwargs)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            if debug:
+                track = views(first)  # any ring's storage: strict mode also sees a released slot being saved
             else:
-                out = stage(*args, **kwargs)
-            if queue and not queue[0].read_by(out):
-                queue.popleft().release()
+                try:
+                    ptr = first.data_ptr()
+                except (AttributeError, RuntimeError, TypeError):
+                    ptr = -1
+                # a queued slot of this layer (any of them: robust to a front entry a raising forward left)
+                track = (
+                    any(held.lo <= ptr < held.hi for held in queue)
+                    if len(queue) > 1
+                    else queue[0].lo <= ptr < queue[0].hi
+                )
+            out = run(stage, args, kwargs) if track else stage(*args, **kwargs)
+            if queue:
+                front = queue[0]
+                try:
+                    ptr = out.data_ptr()
+                except (AttributeError, RuntimeError, TypeError):
+                    ptr = -1
+                if not front.lo <= ptr < front.hi:
+                    queue.popleft().release()
             return out
 
         return functools.wraps(stage)(combine_stage)

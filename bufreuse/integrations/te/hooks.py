@@ -40,7 +40,6 @@ from bufreuse.integrations.core import (
     Requirement,
     acquire_with_hint,
     cfg_get,
-    slot_acquirer,
     tracked,
 )
 from bufreuse.integrations.hybridep.hooks import is_hybridep_layer
@@ -241,16 +240,11 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     experts, pool = layer.experts, inst.pool
     fc2 = experts.linear_fc2
     queue: deque[Held] = deque()
-    entry = pool.get(EXPERT)
-
-    def queued(slot: Any) -> None:
-        queue.append(Held(pool, EXPERT, slot, entry))
-
     te_cls = out_route_class(type(fc2))
     if te_cls is None:
         raise ConfigError(f"no Transformer Engine GroupedLinear.forward(out=) in {type(fc2).__name__}'s classes")
     te_forward = inst.original(te_cls, "forward")
-    route_into_ring(inst, fc2, Fc2Route(slot_acquirer(pool, EXPERT), int(fc2.out_features), entry, queued, te_forward))
+    route_into_ring(inst, fc2, Fc2Route(pool, EXPERT, int(fc2.out_features), queue, te_forward))
     if pool.debug or dispatch_in_ring(inst, layer):
         inst.override(experts, "forward", experts_tracking(inst, inst.original(experts, "forward"), queue))
     hook_fc2_release(inst, layer, queue)

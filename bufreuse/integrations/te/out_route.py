@@ -25,7 +25,9 @@ import torch
 
 from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations._compat_megatron import te_fused_impl
+from bufreuse.integrations.core import Held, dtype_refusal, with_reuse_hint
 from bufreuse.integrations.features import accepts_keyword
+from bufreuse.pool import EarlyReuseError
 
 __all__ = [
     "FC2_OP_INDEX",
@@ -113,38 +115,50 @@ def out_route_class(cls: type) -> type | None:
 class Fc2Route:
     """One hooked FC2 module's state: where its output goes (a ring slot) and where the slot is queued."""
 
-    __slots__ = ("acquire", "cols", "entry", "on_acquired", "te_forward")
+    __slots__ = ("cols", "dtype", "entry", "name", "pool", "queue", "row_bytes", "te_forward")
 
-    def __init__(self, acquire: Callable[..., Any], cols: int, entry: Any, on_acquired: Callable[[Any], None],
-                 te_forward: Callable[..., Any]) -> None:  # fmt: skip
-        self.acquire = acquire
-        """``acquire(shape, dtype)`` of a slot (``bufreuse.integrations.core.slot_acquirer``)."""
+    def __init__(self, pool: Any, name: str, cols: int, queue: Any, te_forward: Callable[..., Any]) -> None:
+        self.pool = pool
+        self.name = name
+        self.entry = pool.get(name)
+        """The pool buffer the slots come from."""
+        self.dtype = self.entry.dtype
         self.cols = cols
-        self.entry = entry
-        """The pool buffer the slots come from (a failed forward releases its slot there)."""
-        self.on_acquired = on_acquired
-        """Called with the slot once TE wrote it (queues the release)."""
+        self.row_bytes = cols * torch.empty((), dtype=self.dtype).element_size()
+        self.queue = queue
+        """Where each written slot goes as a ``Held`` (the combine stages release it)."""
         self.te_forward = te_forward
         """TE's ``forward`` taking ``out=`` (the class's own, looked up at install)."""
 
 
 def _routing_forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
-    """TE's ``forward`` with ``out=`` a ring slot: the FC2 output written into the ring, checked, queued."""
+    """TE's ``forward`` with ``out=`` a ring slot: the FC2 output written into the ring, checked, queued.
+
+    The hot path of the TE module route, one frame: the slot is acquired here (errors as
+    ``acquire_with_hint`` words them), its pointer read once (the storage check and the ``Held`` span).
+    """
     route = self.__dict__[ROUTE]
     if kwargs.get("out") is not None:
         raise ConfigError("GroupedLinear.forward got out= and a bufreuse output buffer; disable expert reuse")
-    slot = route.acquire((inp.shape[0], route.cols), inp.dtype)
+    rows = inp.shape[0]
+    if inp.dtype is not route.dtype:
+        raise dtype_refusal(route.name, route.dtype, inp.dtype)
+    try:
+        slot = route.entry.acquire((rows, route.cols))
+    except EarlyReuseError as e:
+        raise with_reuse_hint(route.pool, route.name, e) from e
+    lo = slot.data_ptr()
     try:
         result = route.te_forward(self, inp, m_splits, *args, out=slot, **kwargs)
         y = result[0] if type(result) is tuple else result
-        if y.data_ptr() != slot.data_ptr():
+        if y.data_ptr() != lo:
             raise BackendContractError(
                 "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
             )
     except BaseException:
         route.entry.release(slot)
         raise
-    route.on_acquired(slot)
+    route.queue.append(Held(route.pool, route.name, slot, route.entry, (lo, lo + rows * route.row_bytes)))
     return result
 
 
