@@ -100,7 +100,7 @@ def main() -> None:
                 "max_us": max(xs_),
                 "originals_per_layer_call": originals[v],
                 "passes": xs_,
-            }  # fmt: skip
+            }
             for v, xs_ in rows.items()
         },
     }
