@@ -270,3 +270,35 @@ def test_a_stage_called_by_keyword_is_still_tracked(parallel) -> None:
     assert pool.saved_references("r", slot) == 1
     del y, z
     assert pool.saved_references("r", slot) == 0
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_a_combine_stage_returning_a_view_keeps_the_fc2_slot(parallel, monkeypatch, debug: bool) -> None:
+    """Every combine stage hooked, as at EP > 1 where none is a passthrough: in pad mode ``combine_preprocess``
+    and the EP = 1 ``token_combine`` return views of the FC2 slot, so the release waits for
+    ``combine_postprocess`` (the copy). One slot: an early release would let the next forward take the slot
+    while the first microbatch's combine still reads it (production: an ``EarlyReuseError`` is the only thing that
+    may not happen here; debug: the poison would reach the output)."""
+    from bufreuse.integrations.alltoall import hooks
+
+    monkeypatch.setattr(hooks, "passthrough_combine_stages", lambda disp: frozenset())
+    layer = _layer()
+    ref = [_step(layer, s) for s in range(3)]
+    pool = BufferPool("cpu", debug=debug)
+    released_at: list[str] = []
+    with install(layer, pool, _knobs(dispatch=False, expert=1), tokens=TOKENS):
+        disp = layer.token_dispatcher
+        for name in ("combine_preprocess", "token_combine", "combine_postprocess"):
+            stage = vars(disp)[name]
+
+            def watched(*args, _stage=stage, _name=name, **kwargs):
+                before = pool.stats()[EXPERT].releases
+                out = _stage(*args, **kwargs)
+                if pool.stats()[EXPERT].releases > before:
+                    released_at.append(_name)
+                return out
+
+            setattr(disp, name, watched)
+        got = [_step(layer, s) for s in range(3)]
+    assert released_at == ["combine_postprocess"] * 3  # the first stage whose output is a copy
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
