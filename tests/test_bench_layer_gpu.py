@@ -65,9 +65,25 @@ def test_te_hooks_enter_the_fc2_shim_once_per_layer_call_and_nothing_else_per_ge
     data = json.loads(result.stdout)
     write_summary(f"bench_layer_hook_time_te_{precision}", data["hook_time"])
     ring = data["hook_time"]["arms"]["ring"]
-    entries = {row["hook"]: row["entries"] for row in ring["by_hook"]}
-    assert entries.get("integrations.te.out_route._routing_forward") == pytest.approx(1.0), entries
-    assert not [h for h in entries if "experts" in h.lower() and "forward" in h], entries
-    combine = [h for h in entries if "combine_stage" in h]
-    assert len(combine) == 1 and entries[combine[0]] == pytest.approx(1.0), entries
+    check_te_pad_hook_entries(ring)
+
+
+TE_PAD_HOOKS = (
+    "integrations.te.out_route._routing_forward",
+    "integrations.alltoall.hooks.hook_fc2_release.<locals>._after.<locals>.combine_stage",
+    "pool.tracking._pack_unpack.<locals>.pack",
+    "pool.tracking._pack_unpack.<locals>.unpack",
+    "pool.tracking._SavedRef.__del__",
+)
+"""Every hook the TE module route may enter at EP = 1 in pad mode. An experts' wrapper (``tracked``'s
+``when_read`` / ``always``), an FC2 forward override or a class-level route would add a name outside it."""
+
+
+def check_te_pad_hook_entries(ring: dict) -> None:
+    """The hook-time round's entries of the TE pad route (also checked on the recorded H200 run, on CPU)."""
+    entries = {row["hook"].split(" (wraps ")[0]: row["entries"] for row in ring["by_hook"]}
+    assert set(entries) <= set(TE_PAD_HOOKS), entries
+    assert entries[TE_PAD_HOOKS[0]] == pytest.approx(1.0), entries  # the shim: once per layer call (FC2, never FC1)
+    assert entries[TE_PAD_HOOKS[1]] == pytest.approx(1.0), entries  # one combine stage (the others are passthrough)
+    assert ring["entries_per_layer_call"] == pytest.approx(sum(entries.values())), ring
     assert ring["us"] > 0 and ring["originals_per_layer_call"] >= 2

@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 from bufreuse.bench.hook_time import HookClock, calibrate
 
 WAIT_US = 400
-LAYER_WAIT_US = 2000
-"""Beside a tiny layer call's own hook time (~100-300 µs on a CPU box, ±50 between runs)."""
+LAYER_WAIT_US = 5000
+"""Beside a tiny layer call's own hook time: on the local spec that includes the SequentialMLP forward the hook
+replaces (250-800 µs on the CPU box, up to ±300 µs between runs)."""
 
 
 def _spin(us: float) -> None:
@@ -92,3 +93,25 @@ def test_layer_hook_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatc
 
     assert slow_hook - ring["us"] > 0.8 * LAYER_WAIT_US
     assert abs(slow_original - ring["us"]) < 0.5 * LAYER_WAIT_US
+
+
+def test_te_route_check_holds_on_the_recorded_h200_run_and_refuses_an_experts_wrapper() -> None:
+    """The H200 test's check (``tests/test_bench_layer_gpu.py``) against its own recorded output, and a positive
+    control: the same record with an experts' wrapper entry added fails it."""
+    import copy
+    from pathlib import Path
+
+    from test_bench_layer_gpu import check_te_pad_hook_entries
+
+    root = Path(__file__).resolve().parents[1]
+    summary = json.loads((root / "examples/gpu-h200-2026-12-04/megatron-gpu-summary.json").read_text())
+    for precision in ("bf16", "fp8"):
+        ring = summary[f"bench_layer_hook_time_te_{precision}"]["arms"]["ring"]
+        check_te_pad_hook_entries(ring)
+        wrapped = copy.deepcopy(ring)
+        wrapped["by_hook"].append(
+            {"hook": "integrations.core.tracked.<locals>.when_read", "raw_us": 3.0, "entries": 1.0}
+        )
+        wrapped["entries_per_layer_call"] += 1
+        with pytest.raises(AssertionError):
+            check_te_pad_hook_entries(wrapped)

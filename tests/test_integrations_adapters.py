@@ -196,3 +196,33 @@ def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back()
         with pytest.raises(BackendContractError, match="ignored out="):
             fc2(hidden, [3, 5, 0, 4])
     assert got == [] and pool.get(name).held == 0 and pool.stats()[name].acquisitions == 1
+
+
+def test_te_module_route_survives_deepcopy_and_a_later_class_switch() -> None:
+    """A model deep-copied while hooked shares the route (as it shared the hook closures); a module whose class
+    another library switched again after install keeps working after uninstall (TE's own forward, no slot)."""
+    import copy
+
+    from bufreuse.config import BufReuseConfig
+    from bufreuse.integrations.core import Installation
+    from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
+
+    hidden, _, _ = _routing()
+    splits = [3, 5, 0, 4]
+    name = "expert_fc2_output"
+    pool = _pool(name, BOUND, 8)
+    fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
+    ref = te.GroupedLinearUpstream.forward(fc2, hidden, splits)
+    got: list = []
+    inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
+    route_into_ring(inst, fc2, Fc2Route(pool, name, 8, got, te.GroupedLinear.forward))
+    twin = copy.deepcopy(fc2)
+    y, _ = twin(hidden, splits)
+    assert torch.equal(y, ref) and len(got) == 1 and pool.is_ring_storage(y)
+    pool.release(name, got.pop().tensor)
+
+    wrapped = type("Wrapped", (type(fc2),), {})  # e.g. a sharding library's subclass, made after install
+    fc2.__class__ = wrapped
+    inst.uninstall()
+    y2, _ = fc2(hidden, splits)
+    assert type(fc2) is wrapped and torch.equal(y2, ref) and not pool.is_ring_storage(y2) and got == []

@@ -12,9 +12,17 @@ Time is charged to the hooks while the innermost wrapped frame on the calling th
 hooks' Python, the torch calls they make (event record/wait, views, pointer reads) and the bookkeeping
 between them; nothing inside the originals. The clock's own cost inside the intervals is measured in
 the same process (:func:`calibrate`) and subtracted per entry and per original call, so the figure is
-the hooks' time with the instrumentation taken out. What the control does instead of the hooks (the
-allocator call the ring replaces, inside TE or megatron) is not subtracted: the figure is the hooks'
-cost, not the difference of two arms.
+the hooks' time with the instrumentation taken out (the calibration runs warm, so the clock's cold-cache
+cost stays in: the figure errs high). What the control does instead of the hooks (the allocator call the
+ring replaces, inside TE or megatron) is not subtracted: the figure is the hooks' cost, not the difference
+of two arms. Hooks that *replace* megatron code instead of wrapping it are charged in full, that code
+included: the ``SequentialMLP`` experts' forward (split, per-expert loop, the concatenation into the slot)
+and the all-to-all ``token_dispatch`` of the local spec and EP > 1 paths, and the autograd Functions'
+backward. There the figure includes work the control does in megatron's code; on the TE module route
+(the H200 figures) every hook wraps, and nothing of megatron's or TE's is in it.
+
+:data:`bufreuse.integrations.core.INSTRUMENT` is process-wide while ``arm()`` is open: install nothing
+else from another thread during a measurement.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ class HookClock:
         self.reset()
 
     def reset(self) -> None:
-        """Forget what was charged (after a warm-up)."""
+        """Forget what was charged (after a warm-up; call it with no hook running)."""
         self.hook_ns = 0
         self.entries = 0
         """Hook entries (outermost or nested) seen."""
@@ -55,9 +63,11 @@ class HookClock:
         self.by_hook: dict[str, list[int]] = {}
         """Hook name -> [ns charged, entries]."""
 
-    def _charge(self, name: str, ns: int, entered: int = 0) -> None:
-        with self._lock:
+    def _charge(self, name: str, ns: int, entered: int = 0, original: int = 0) -> None:
+        with self._lock:  # hooks also run on autograd's device thread (unpack, __del__, Function.backward)
             self.hook_ns += ns
+            self.entries += entered
+            self.originals += original
             row = self.by_hook.get(name)
             if row is None:
                 row = self.by_hook[name] = [0, 0]
@@ -76,7 +86,6 @@ class HookClock:
             if stack and stack[-1] is not None:
                 self._charge(stack[-1], now - t.last)  # a hook calling a hook: the outer one's time so far
             stack.append(name)
-            self.entries += 1
             t.last = clock()
             try:
                 return fn(*args, **kwargs)
@@ -96,8 +105,7 @@ class HookClock:
             now = clock()
             stack = t.stack
             if stack and stack[-1] is not None:
-                self._charge(stack[-1], now - t.last)
-                self.originals += 1
+                self._charge(stack[-1], now - t.last, original=1)
             stack.append(None)
             try:
                 return fn(*args, **kwargs)
@@ -109,11 +117,16 @@ class HookClock:
 
 
 def _name(fn: Any) -> str:
-    """The hook's own module and qualified name (its code's, not what ``functools.wraps`` copied onto it)."""
+    """The hook's own module and qualified name (its code's, not what ``functools.wraps`` copied onto it), and
+    for a wrapper, ``(wraps X)`` with what it wraps: a generic wrapper then says which stage it is."""
     code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is not None and glb is not None:
-        return f"{glb.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    if code is None or glb is None:
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    name = f"{glb.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None:
+        name += f" (wraps {getattr(inner, '__qualname__', repr(inner))})"
+    return name
 
 
 def calibrate(repeats: int = 20000) -> dict[str, float]:

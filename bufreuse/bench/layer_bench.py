@@ -496,7 +496,13 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
                 "arms": {arm: _hook_time_arm(layer, forward, arm, cfg, device, xs, grads, bias) for arm in arms[1:]},
                 "note": "hooks' own host time per layer call: time in bufreuse's hook frames (and the torch calls "
                 "they make), not in the megatron/TE work they wrap, one instrumented round per arm, the "
-                "clock's measured cost subtracted; the allocation the control makes instead is not subtracted",
+                "clock's measured cost subtracted; the allocation the control makes instead is not subtracted"
+                + (
+                    "; local spec: the experts' hook replaces SequentialMLP.forward, so its time includes that "
+                    "forward's own split, loop and concatenation (the TE spec's hooks only wrap)"
+                    if cfg.spec == "local"
+                    else ""
+                ),
             }
     result = _summarise(cfg, device, arms, rounds)
     if profiles is not None:

@@ -257,10 +257,12 @@ AUTO_START = 2
 def tracked(pool: BufferPool, fn: Callable[..., Any], reads: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
     """``fn`` run inside ``pool.track_saved()`` when it reads ring storage: what it saves from it is counted.
 
-    The hot path of every hooked stage. ``reads(first argument)`` says whether this call receives a
-    slot (:func:`reads_live`, or ``pool.views_ring_storage``); only then is the region entered (one
-    push of the pool's prebuilt saved-tensor hooks, :meth:`~bufreuse.pool.tracking.SavedTracker.run`),
-    so a stage that receives a copy pays a pointer comparison. ``reads=None``: always. A nested entry
+    The dispatch path's stages and the experts' forward (the combine stages inline the same logic,
+    :func:`bufreuse.integrations.alltoall.hooks.hook_fc2_release`). ``reads(first argument)`` says
+    whether this call receives a slot (:func:`reads_live`, or ``pool.views_ring_storage``); only then
+    is the region entered (one push of the pool's prebuilt saved-tensor hooks,
+    :meth:`~bufreuse.pool.tracking.SavedTracker.run`), so a stage that receives a copy pays a pointer
+    comparison. ``reads=None``: always. A nested entry
     pushes the same hooks again (one C call). Releases (``Held.release``) then wait for exactly the
     saved references those regions made.
     """

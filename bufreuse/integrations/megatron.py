@@ -4,8 +4,10 @@
 ``MoELayer`` instances and asks the registered adapters
 (:data:`bufreuse.integrations.registry.ADAPTERS`) which of them hook each layer: the NCCL
 all-to-all adapter, the HybridEP adapter (dispatch output) and the Transformer Engine adapter
-(expert FC2 output of HybridEP layers). Each registers its buffers on the pool and overrides
-instance attributes, recorded on the returned :class:`~bufreuse.integrations.core.Installation`.
+(expert FC2 output of HybridEP and all-to-all ``TEGroupedMLP`` layers). Each registers its buffers on
+the pool and overrides instance attributes (and switches a hooked TE FC2 module's class to its routing
+subclass, :func:`bufreuse.integrations.te.out_route.routing_class`), recorded on the returned
+:class:`~bufreuse.integrations.core.Installation`.
 
 Three class-level patches are shared by every live installation (one per model chunk with
 virtual pipelining) and stay while any is alive: ``ScheduleNode._forward`` (``free_input=True``

@@ -21,8 +21,8 @@ Releases are by fact: the hooked stages that receive a slot run in ``pool.track_
 for which stages are tracked, and what debug mode adds). HybridEP: after ``token_combine``
 (combine's forward is the last reader; under EP overlap it runs on the communication stream, where
 the release is recorded).
-All-to-all: after the first combine stage whose output no longer aliases the slot, or right after
-the experts when their output is already a copy. FC1's ``dgrad_out=`` is not used (docs/megatron.md).
+All-to-all: after the first hooked combine stage whose output no longer aliases the slot (an experts'
+output that is already a copy, FP8 unpadding, included). FC1's ``dgrad_out=`` is not used (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     check) and the combine stages' release (:func:`~bufreuse.integrations.alltoall.hooks.hook_fc2_release`).
     The experts' forward is wrapped only where it can receive ring storage (this layer's dispatch ring)
     or in debug mode (which checks nothing after FC2 saves its output); an FC2 output the experts copy
-    (FP8 unpadding, a bias add) is released by the first combine stage, whose output no longer views it.
+    (FP8 unpadding, a bias add) is released by the first hooked combine stage, whose output no longer views it.
     """
     from bufreuse.integrations.alltoall.hooks import dispatch_in_ring, experts_tracking, hook_fc2_release
     from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring

@@ -130,6 +130,13 @@ class Fc2Route:
         self.te_forward = te_forward
         """TE's ``forward`` taking ``out=`` (the class's own, looked up at install)."""
 
+    def __copy__(self) -> Fc2Route:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Fc2Route:
+        """A copied model shares the route, as it shared the hook closures before (the pool holds a lock)."""
+        return self
+
 
 def _routing_forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: Any) -> Any:
     """TE's ``forward`` with ``out=`` a ring slot: the FC2 output written into the ring, checked, queued.
@@ -137,7 +144,9 @@ def _routing_forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: A
     The hot path of the TE module route, one frame: the slot is acquired here (errors as
     ``acquire_with_hint`` words them), its pointer read once (the storage check and the ``Held`` span).
     """
-    route = self.__dict__[ROUTE]
+    route = self.__dict__.get(ROUTE)
+    if route is None:  # uninstalled while another library had switched the class again: TE's own forward
+        return super(self._bufreuse_shim, self).forward(inp, m_splits, *args, **kwargs)
     if kwargs.get("out") is not None:
         raise ConfigError("GroupedLinear.forward got out= and a bufreuse output buffer; disable expert reuse")
     rows = inp.shape[0]
@@ -178,6 +187,7 @@ def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> 
         if te_cls is None:
             raise ConfigError(f"no Transformer Engine GroupedLinear.forward(out=) in {cls.__name__}'s classes")
         shim = type(f"_RingOut{te_cls.__name__}", (te_cls,), {"forward": forward, "__module__": __name__})
+        shim._bufreuse_shim = shim  # type: ignore[attr-defined]  # the routing forward's way back to TE's
         bases = (shim,) if cls is te_cls else (cls, shim)
         routed = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         if default:
@@ -197,5 +207,7 @@ def route_into_ring(installation: Any, module: Any, route: Fc2Route) -> None:
     def restore() -> None:
         if type(module) is routed:
             module.__class__ = cls
+        # else another library switched the class since: its subclass keeps the shim, which then finds no
+        # route and calls TE's forward unchanged
 
     installation.on_uninstall(restore)
