@@ -8,6 +8,10 @@
 #   # (scripts/gpu-tests.sh runs `bash scripts/device-te.sh install` itself when .te-device/w is there).
 #
 #   bash scripts/device-te.sh part N       # on the device: keep part N in /tmp/te (prints what /tmp/te holds)
+#
+# When the tracked tree plus a 60 MB part no longer fits one call's 64 MiB copy: `bash scripts/device-te.sh halves`
+# here splits parts 0-3 into .te-device/pNa and pNb (30 MB each); then nine calls, carrying .te-device/pNa with
+# `bash scripts/device-te.sh part Na`, .te-device/pNb with `part Nb` (each appends its half), and p4 as before.
 #   bash scripts/device-te.sh install      # on the device: reassemble + install into /tmp/site (idempotent)
 #
 # After `install`, `export PYTHONPATH=/tmp/site:$PYTHONPATH` makes `import transformer_engine` work.
@@ -21,9 +25,24 @@ case ${1:-} in
     grep -qx '/.te-device/' .git/info/exclude 2>/dev/null || echo '/.te-device/' >> .git/info/exclude
     bash "$recipe/fetch.sh"
     ;;
+  halves)
+    for n in 0 1 2 3; do
+      mkdir -p ".te-device/p${n}a" ".te-device/p${n}b"
+      head -c 30000000 ".te-device/p$n/core.part$n" >".te-device/p${n}a/h"
+      tail -c +30000001 ".te-device/p$n/core.part$n" >".te-device/p${n}b/h"
+      cat ".te-device/p${n}a/h" ".te-device/p${n}b/h" | cmp -s - ".te-device/p$n/core.part$n" || { echo "device-te: half $n differs" >&2; exit 1; }
+    done
+    echo "device-te: halves in .te-device/p{0..3}{a,b}"
+    ;;
   part)
-    n=${2:?part number 0..4}
-    mkdir -p /tmp/te && cp ".te-device/p$n"/* /tmp/te/
+    n=${2:?part number 0..4, or 0a..3b for halves}
+    mkdir -p /tmp/te
+    if [[ $n == [0-3][ab] ]]; then
+      cat ".te-device/p$n/h" >>"/tmp/te/core.part${n%?}"  # a, then b: the part, reassembled
+      echo "device-te: /tmp/te holds: $(cd /tmp/te && ls -l | awk 'NR > 1 {print $NF "=" $5}' | tr '\n' ' ')"
+      exit 0
+    fi
+    cp ".te-device/p$n"/* /tmp/te/
     echo "device-te: /tmp/te holds: $(cd /tmp/te && ls | tr '\n' ' ')"
     ;;
   install)
