@@ -167,6 +167,7 @@ def test_profile_counts_calls_and_finds_the_hooks_only_in_the_ring_arm() -> None
         (["--slots", "1"], "--slots 1 is fewer than the 2 microbatches"),
         (["--preset", "huge"], "--preset must be one of"),
         (["--tokens", "0"], "--tokens must be >= 1"),
+        (["--hook-rounds", "0"], "--hook-rounds must be >= 1"),
         (["--plot", "ratios.txt"], "--plot ratios.txt: the file name must end in .png"),
         (["--device", "meta"], "use cuda, cuda:N or cpu"),
     ],

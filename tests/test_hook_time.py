@@ -64,7 +64,7 @@ FAST = ["--preset", "tiny", "--device", "cpu", "--microbatches", "2", "--steps",
 
 
 def _hook_us() -> dict:
-    result = runner.invoke(app, ["bench", "layer", *FAST])
+    result = runner.invoke(app, ["bench", "layer", *FAST, "--hook-rounds", "1"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)["hook_time"]
 
@@ -115,3 +115,16 @@ def test_te_route_check_holds_on_the_recorded_h200_run_and_refuses_an_experts_wr
         wrapped["entries_per_layer_call"] += 1
         with pytest.raises(AssertionError):
             check_te_pad_hook_entries(wrapped)
+
+
+def test_hook_rounds_give_the_median_and_range_of_independent_rounds() -> None:
+    import statistics
+
+    result = runner.invoke(app, ["bench", "layer", *FAST, "--hook-rounds", "3"])
+    assert result.exit_code == 0, result.output
+    hook = json.loads(result.stdout)["hook_time"]
+    ring = hook["arms"]["ring"]
+    assert hook["rounds"] == 3 and len(ring["rounds_us"]) == 3
+    assert ring["us"] == statistics.median(ring["rounds_us"])
+    assert ring["min_us"] == min(ring["rounds_us"]) <= ring["us"] <= ring["max_us"] == max(ring["rounds_us"])
+    assert ring["entries_per_layer_call"] >= 2  # exact counts: the same every round

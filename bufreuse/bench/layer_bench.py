@@ -116,8 +116,10 @@ class LayerBenchConfig:
     profile: bool = False
     """After the rounds, one cProfile'd round per arm: where the host time goes (see :func:`_profile_arm`)."""
     hook_time: bool = True
-    """After the rounds, one instrumented round per hooked arm: the hooks' own host µs per layer call
+    """After the rounds, instrumented rounds per hooked arm: the hooks' own host µs per layer call
     (:mod:`bufreuse.bench.hook_time`; see :func:`_hook_time_arm`)."""
+    hook_rounds: int = 3
+    """Instrumented rounds per hooked arm (arms interleaved); the figure is their median, with the range."""
 
 
 def layer_config(
@@ -183,9 +185,9 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
     bad = [p for p in cfg.policies if p not in POLICIES]
     if bad or not cfg.policies or len(set(cfg.policies)) != len(cfg.policies):
         raise InputError(f"--policies: a comma list of distinct {', '.join(POLICIES)}, got {','.join(cfg.policies)!r}")
-    for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots"):
+    for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots", "hook_rounds"):
         if getattr(cfg, name) < 1:
-            raise InputError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.rounds < 2 or cfg.rounds % 2:
         raise InputError(f"--rounds must be even and >= 2 (A B B A cycles), got {cfg.rounds}")
     if cfg.warmup < 0:
@@ -491,12 +493,18 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
             from bufreuse.bench.hook_time import calibrate
 
             bias = calibrate()
+            per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms[1:]}
+            for _ in range(cfg.hook_rounds):
+                for arm in arms[1:]:
+                    per_arm[arm].append(_hook_time_arm(layer, forward, arm, cfg, device, xs, grads, bias))
             hook_times = {
                 "calibration_ns": bias,
-                "arms": {arm: _hook_time_arm(layer, forward, arm, cfg, device, xs, grads, bias) for arm in arms[1:]},
+                "rounds": cfg.hook_rounds,
+                "arms": {arm: _hook_time_summary(r) for arm, r in per_arm.items()},
                 "note": "hooks' own host time per layer call: time in bufreuse's hook frames (and the torch calls "
-                "they make), not in the megatron/TE work they wrap, one instrumented round per arm, the "
-                "clock's measured cost subtracted; the allocation the control makes instead is not subtracted"
+                f"they make), not in the megatron/TE work they wrap; median of {cfg.hook_rounds} instrumented "
+                "round(s) per arm [min, max], the clock's measured cost subtracted; the allocation the control "
+                "makes instead is not subtracted"
                 + (
                     "; local spec: the experts' hook replaces SequentialMLP.forward, so its time includes that "
                     "forward's own split, loop and concatenation (the TE spec's hooks only wrap)"
@@ -553,6 +561,36 @@ def _hook_time_arm(
             {"hook": name.removeprefix("bufreuse."), "raw_us": ns / calls / 1e3, "entries": n / calls}
             for name, (ns, n) in by_hook
         ],
+    }
+
+
+def _hook_time_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """An arm's instrumented rounds: the median of ``us`` and ``raw_us`` with the range; the exact per-call counts
+    of the first round; each hook's raw µs as the median over rounds."""
+    us = [r["us"] for r in rounds]
+    med = statistics.median(us)
+    hooks: dict[str, list[dict[str, float]]] = {}
+    for r in rounds:
+        for row in r["by_hook"]:
+            hooks.setdefault(row["hook"], []).append(row)
+    by_hook = [
+        {
+            "hook": name,
+            "raw_us": statistics.median([row["raw_us"] for row in rows] + [0.0] * (len(rounds) - len(rows))),
+            "entries": rows[0]["entries"],
+        }
+        for name, rows in hooks.items()
+    ]
+    return {
+        "us": med,
+        "min_us": min(us),
+        "max_us": max(us),
+        "spread_pct": (max(us) - min(us)) / med * 100 if med else None,
+        "rounds_us": us,
+        "raw_us": statistics.median([r["raw_us"] for r in rounds]),
+        "entries_per_layer_call": rounds[0]["entries_per_layer_call"],
+        "originals_per_layer_call": rounds[0]["originals_per_layer_call"],
+        "by_hook": sorted(by_hook, key=lambda row: -row["raw_us"]),
     }
 
 

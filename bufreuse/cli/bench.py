@@ -142,6 +142,9 @@ def layer(
             "(time in bufreuse's hook code, not in the megatron/TE work it wraps).",
         ),
     ] = True,
+    hook_rounds: Annotated[
+        int, typer.Option(help="Instrumented rounds per hooked arm for --hook-time (median, with the range).")
+    ] = 3,
     json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the per-round ratios as a PNG to this file.")] = None,
@@ -170,6 +173,7 @@ def layer(
         band_pct=band_pct,
         profile=profile,
         hook_time=hook_time,
+        hook_rounds=hook_rounds,
     )
     # --profile: no refresh thread (on Python >= 3.12 cProfile counts every thread's calls)
     with progress_bar("bench layer rounds", refresh_thread=not profile) as tick:

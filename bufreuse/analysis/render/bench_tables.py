@@ -152,13 +152,18 @@ def _profile_top(profile: dict[str, Any]) -> list[Table]:
 
 def _hook_time_table(hook_time: dict[str, Any]) -> Table:
     """Per hooked arm: the hooks' own host µs per layer call, the raw clock figure, entries and original calls."""
-    table = Table(title="Hooks' own host time per layer call (one instrumented round per arm)", title_justify="left")
-    for col in ("arm", "hook µs", "raw µs (with the clock)", "hook entries", "original calls"):
+    rounds = hook_time.get("rounds", 1)
+    table = Table(
+        title=f"Hooks' own host time per layer call (median of {rounds} instrumented round(s) per arm)",
+        title_justify="left",
+    )
+    for col in ("arm", "hook µs [min, max]", "raw µs (with the clock)", "hook entries", "original calls"):
         table.add_column(col, justify="left" if col == "arm" else "right")
     for arm, h in hook_time["arms"].items():
+        span = f" [{h['min_us']:.1f}, {h['max_us']:.1f}]" if "min_us" in h else ""
         table.add_row(
             arm,
-            f"{h['us']:.1f}",
+            f"{h['us']:.1f}{span}",
             f"{h['raw_us']:.1f}",
             f"{h['entries_per_layer_call']:.1f}",
             f"{h['originals_per_layer_call']:.1f}",
