@@ -29,20 +29,28 @@ te_env() {
   source scripts/device-env.sh
 }
 
+machine_facts() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv >"$work/gpu.csv" 2>&1
+  lscpu >"$work/lscpu.txt" 2>&1
+}
+
+gpu_tests() {  # default timeout, seconds (TESTS_TIMEOUT overrides)
+  log "gpu-marked tests"
+  OUT=$work timeout -k 10 "${TESTS_TIMEOUT:-$1}" bash scripts/gpu-tests.sh ${TEST_ARGS:-} >/dev/null 2>&1
+  log "gpu tests exit $? : $(grep -E '^=+ .* in [0-9.]+s' "$work/gpu-tests.log" | tail -1)"
+}
+
 case $stage in
   tests-bench)
     log "TE install"
     te_env
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv >"$work/gpu.csv" 2>&1
-    lscpu >"$work/lscpu.txt" 2>&1
+    machine_facts
     if [ -d .deepep/src ]; then
       log "DeepEP hybrid-ep build (background)"
       OUT=$work bash scripts/hybridep-device.sh build >"$work/hybridep-build-bg.log" 2>&1 &
       build_pid=$!
     fi
-    log "gpu-marked tests"
-    OUT=$work timeout -k 10 "${TESTS_TIMEOUT:-260}" bash scripts/gpu-tests.sh ${TEST_ARGS:-} >/dev/null 2>&1
-    log "gpu tests exit $? : $(grep -E '^=+ .* in [0-9.]+s' "$work/gpu-tests.log" | tail -1)"
+    gpu_tests 260
     if [ -n "${build_pid:-}" ]; then
       wait "$build_pid"; log "DeepEP build exit $?"
       OUT=$work TOTAL_TIMEOUT=${HYBRIDEP_TIMEOUT:-150} timeout -k 10 "${HYBRIDEP_TIMEOUT:-150}" \
@@ -63,11 +71,8 @@ case $stage in
   tests)
     log "TE install"
     te_env
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw --format=csv >"$work/gpu.csv" 2>&1
-    lscpu >"$work/lscpu.txt" 2>&1
-    log "gpu-marked tests"
-    OUT=$work timeout -k 10 "${TESTS_TIMEOUT:-300}" bash scripts/gpu-tests.sh ${TEST_ARGS:-} >/dev/null 2>&1
-    log "gpu tests exit $? : $(grep -E '^=+ .* in [0-9.]+s' "$work/gpu-tests.log" | tail -1)"
+    machine_facts
+    gpu_tests 300
     ;;
   bench)
     # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;

@@ -55,8 +55,6 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
 
-    import torch
-
     from bufreuse.bench import hook_time
     from bufreuse.bench import layer_bench as lb
 
@@ -66,14 +64,7 @@ def main() -> None:
     bias = hook_time.calibrate()
     rows: dict[str, list[float]] = {v: [] for v in VARIANTS}
     originals: dict[str, float] = {}
-    with lb._world_of_one(device), lb._one_cpu_thread(device):
-        layer = lb._build_layer(cfg, device)
-        layer.train()
-        forward = lb._forward_fn(layer, cfg, device)
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
-        shape = (cfg.tokens, 1, cfg.hidden)
-        xs = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(cfg.microbatches)]
-        grads = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(cfg.microbatches)]
+    with lb.prepared(cfg, device) as prep:
         for _ in range(a.repeats):
             for name, target in VARIANTS.items():
                 plain = hook_time.instrumented
@@ -85,7 +76,7 @@ def main() -> None:
 
                 hook_time.instrumented = instrumented  # what _hook_time_arm imports when it runs
                 try:
-                    figure = lb._hook_time_arm(layer, forward, "ring", cfg, device, xs, grads, bias)
+                    figure = lb._hook_time_arm(prep, "ring", bias)
                 finally:
                     hook_time.instrumented = plain
                 rows[name].append(figure["us"])

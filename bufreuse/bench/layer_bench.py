@@ -389,26 +389,53 @@ def _installed(
         inst.uninstall()
 
 
-def _run_round(
-    layer: Any,
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    arm: str,
-    cfg: LayerBenchConfig,
-    device: torch.device,
-    xs: list[torch.Tensor],
-    grads: list[torch.Tensor],
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """The built layer, its call and its inputs: what every round of every arm runs."""
+
+    layer: Any
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    cfg: LayerBenchConfig
+    device: torch.device
+    xs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    steps: list[tuple[str, int]]
+    """The schedule (:func:`schedule_steps`)."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def schedule(self, timing: dict[str, list] | None = None) -> None:
+        """One schedule of the layer (:func:`_schedule`)."""
+        _schedule(self.forward, self.steps, self.xs, self.grads, timing)
+
+
+@contextlib.contextmanager
+def prepared(cfg: LayerBenchConfig, device: torch.device) -> Iterator[_Prepared]:
+    """A world of one, the layer built in training mode and its seeded inputs, for the block."""
+    with _world_of_one(device), _one_cpu_thread(device):
+        layer = _build_layer(cfg, device)
+        layer.train()
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        shape = (cfg.tokens, 1, cfg.hidden)
+        xs = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(cfg.microbatches)]
+        grads = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(cfg.microbatches)]
+        steps = schedule_steps(cfg.schedule, cfg.microbatches)
+        yield _Prepared(layer, _forward_fn(layer, cfg, device), cfg, device, xs, grads, steps)
+
+
+def _run_round(p: _Prepared, arm: str) -> dict[str, Any]:
     """Install ``arm`` (nothing for ``control``), one untimed schedule, ``steps`` timed ones, uninstall."""
-    cuda = device.type == "cuda"
-    steps = schedule_steps(cfg.schedule, cfg.microbatches)
-    with _installed(layer, arm, cfg, device) as inst:
-        layer.zero_grad(set_to_none=True)
-        _schedule(forward, steps, xs, grads, None)
+    cfg, cuda = p.cfg, p.cuda
+    with _installed(p.layer, arm, cfg, p.device) as inst:
+        p.layer.zero_grad(set_to_none=True)
+        p.schedule()
         _sync(cuda)
         timing: dict[str, list] = {"F": [], "B": [], "events": []}
         start = time.perf_counter()
         for _ in range(cfg.steps):
-            _schedule(forward, steps, xs, grads, timing)
+            p.schedule(timing)
         _sync(cuda)
         wall = time.perf_counter() - start
         # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control).
@@ -471,23 +498,14 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
     device = check_config(cfg)
     arms = ["control", *cfg.policies]
     order = round_order(arms, cfg.rounds, cfg.warmup)
-    with _world_of_one(device), _one_cpu_thread(device):
-        layer = _build_layer(cfg, device)
-        layer.train()
-        forward = _forward_fn(layer, cfg, device)
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
-        shape = (cfg.tokens, 1, cfg.hidden)
-        xs = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(cfg.microbatches)]
-        grads = [torch.randn(shape, generator=g).to(device, torch.bfloat16) for _ in range(cfg.microbatches)]
+    with prepared(cfg, device) as p:
         rounds = []
         for k, entry in enumerate(order):
-            figures = _run_round(layer, forward, entry["arm"], cfg, device, xs, grads)
+            figures = _run_round(p, entry["arm"])
             rounds.append({"index": k, **entry, **figures})
             if progress is not None:
                 progress(k + 1, len(order))
-        profiles = (
-            {arm: _profile_arm(layer, forward, arm, cfg, device, xs, grads) for arm in arms} if cfg.profile else None
-        )
+        profiles = {arm: _profile_arm(p, arm) for arm in arms} if cfg.profile else None
         hook_times = None
         if cfg.hook_time:
             from bufreuse.bench.hook_time import calibrate
@@ -496,7 +514,7 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
             per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms[1:]}
             for _ in range(cfg.hook_rounds):
                 for arm in arms[1:]:
-                    per_arm[arm].append(_hook_time_arm(layer, forward, arm, cfg, device, xs, grads, bias))
+                    per_arm[arm].append(_hook_time_arm(p, arm, bias))
             hook_times = {
                 "calibration_ns": bias,
                 "rounds": cfg.hook_rounds,
@@ -520,16 +538,7 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
     return result
 
 
-def _hook_time_arm(
-    layer: Any,
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    arm: str,
-    cfg: LayerBenchConfig,
-    device: torch.device,
-    xs: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    bias: dict[str, float],
-) -> dict[str, Any]:
+def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float]) -> dict[str, Any]:
     """One instrumented round of ``arm``: the hooks' exclusive host µs per layer call (:mod:`bufreuse.bench.hook_time`).
 
     ``raw_us`` is what the clock charged; ``us`` subtracts its calibrated cost (``bias``) per hook entry and per
@@ -537,17 +546,16 @@ def _hook_time_arm(
     """
     from bufreuse.bench.hook_time import HookClock, instrumented
 
-    cuda = device.type == "cuda"
-    steps = schedule_steps(cfg.schedule, cfg.microbatches)
+    cfg = p.cfg
     clock = HookClock()
-    with instrumented(clock) as during, _installed(layer, arm, cfg, device, during):
-        _schedule(forward, steps, xs, grads, None)
-        _sync(cuda)
-        layer.zero_grad(set_to_none=True)
+    with instrumented(clock) as during, _installed(p.layer, arm, cfg, p.device, during):
+        p.schedule()
+        _sync(p.cuda)
+        p.layer.zero_grad(set_to_none=True)
         clock.reset()
         for _ in range(cfg.steps):
-            _schedule(forward, steps, xs, grads, None)
-        _sync(cuda)
+            p.schedule()
+        _sync(p.cuda)
     calls = cfg.steps * cfg.microbatches
     raw = clock.hook_ns / calls / 1e3
     corrected = raw - (clock.entries * bias["entry_ns"] + clock.originals * bias["original_ns"]) / calls / 1e3
@@ -610,15 +618,7 @@ def _check_profiler() -> None:
     probe.disable()
 
 
-def _profile_arm(
-    layer: Any,
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    arm: str,
-    cfg: LayerBenchConfig,
-    device: torch.device,
-    xs: list[torch.Tensor],
-    grads: list[torch.Tensor],
-) -> dict[str, Any]:
+def _profile_arm(p: _Prepared, arm: str) -> dict[str, Any]:
     """One round of ``arm`` under cProfile: per layer call, the function calls (Python and C) and bufreuse's share.
 
     Counts are exact and machine-independent (the profiler sees every thread: run it without other threads busy).
@@ -630,21 +630,20 @@ def _profile_arm(
     import cProfile
     import pstats
 
-    cuda = device.type == "cuda"
-    steps = schedule_steps(cfg.schedule, cfg.microbatches)
-    with _installed(layer, arm, cfg, device):
-        _schedule(forward, steps, xs, grads, None)
-        _sync(cuda)
-        layer.zero_grad(set_to_none=True)
+    cfg = p.cfg
+    with _installed(p.layer, arm, cfg, p.device):
+        p.schedule()
+        _sync(p.cuda)
+        p.layer.zero_grad(set_to_none=True)
         prof = cProfile.Profile()
         start = time.perf_counter()
         prof.enable()
         try:
             for _ in range(cfg.steps):
-                _schedule(forward, steps, xs, grads, None)
+                p.schedule()
         finally:
             prof.disable()
-        _sync(cuda)
+        _sync(p.cuda)
         wall = time.perf_counter() - start
     calls = cfg.steps * cfg.microbatches
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]

@@ -317,7 +317,10 @@ class Held:
         self.tensor = tensor
         self.entry = pool.get(name) if entry is None else entry
         """The pool's buffer ``name`` (hot paths pass the one they acquired from: no lookup per call)."""
-        self.lo, self.hi = (tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes) if span is None else span
+        if span is None:
+            lo = tensor.data_ptr()
+            span = (lo, lo + tensor.nbytes)
+        self.lo, self.hi = span
         """The acquisition's bytes (hot paths that read the pointer already pass them)."""
         self.released = False
         self.deferred = False
