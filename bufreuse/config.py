@@ -33,8 +33,10 @@ __all__ = [
     "identity_dispatch",
     "load_megatron_file",
     "persistent_bytes",
+    "single_rank_expert",
     "static_bounds",
     "tokens_per_microbatch",
+    "unused_rings",
 ]
 
 POLICIES = ("ring", "stream-ordered", "record-stream")
@@ -66,6 +68,10 @@ class BufReuseConfig:
     moe_bufreuse_ring_identity_dispatch: bool = False
     """Validation aid: put an EP = 1 all-to-all dispatch (an identity upstream, so normally left alone) into
     the dispatch ring anyway, one copy per call, to exercise the dispatch ring's hooks on one GPU."""
+    moe_bufreuse_ring_single_rank_expert: bool = False
+    """Validation aid: put the FC2 output of an all-to-all layer at EP x ETP = 1 (made and read on one stream,
+    so normally left alone) into the expert ring anyway, to exercise and measure its hooks on one GPU; TE
+    writes into the slot, so this adds no copy."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -162,6 +168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         default=False,
         help="Validation aid: ring the EP = 1 dispatch (an identity, normally left alone) to exercise its hooks.",
+    )
+    group.add_argument(
+        "--moe-bufreuse-ring-single-rank-expert",
+        action="store_true",
+        default=False,
+        help="Validation aid: ring the FC2 output at EP x ETP = 1 (one stream, normally left alone) to exercise "
+        "its hooks.",
     )
     for buf in ("dispatch", "expert"):
         group.add_argument(
@@ -494,17 +507,46 @@ def identity_dispatch(cfg: Any, path: str | None) -> bool:
     return path == "alltoall" and int(_get(cfg, "expert_model_parallel_size", 1) or 1) == 1
 
 
+def single_rank_expert(cfg: Any, path: str | None) -> bool:
+    """Whether the FC2 output is made and read on one stream with no collective (all-to-all at EP x ETP = 1).
+
+    Then megatron's combine reduces no expert-TP shards and its all-to-all returns its input, and
+    ``overlap_moe_expert_parallel_comm`` (EP > 1 only) cannot move it to a comm stream: the allocator frees
+    the output at once, there is no pending free, and a ring would only add a slot and its hooks.
+    """
+    if path != "alltoall" or int(_get(cfg, "expert_model_parallel_size", 1) or 1) != 1:
+        return False
+    etp = _get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1
+    return int(etp) == 1
+
+
+def unused_rings(cfg: Any, knobs: BufReuseConfig, path: str | None) -> dict[str, str]:
+    """``{buffer key: why}`` for the enabled buffers ``install()`` leaves alone because they replace nothing.
+
+    The one rule ``install()``, :func:`static_bounds` and the planner share; the validation knobs
+    (``moe_bufreuse_ring_identity_dispatch``, ``moe_bufreuse_ring_single_rank_expert``) keep a ring in use.
+    """
+    enabled = knobs.enabled()
+    out = {}
+    if "dispatch" in enabled and identity_dispatch(cfg, path) and not knobs.moe_bufreuse_ring_identity_dispatch:
+        out["dispatch"] = "EP = 1: the all-to-all dispatch returns its input, no allocation to replace"
+    if "expert" in enabled and single_rank_expert(cfg, path) and not knobs.moe_bufreuse_ring_single_rank_expert:
+        out["expert"] = "EP x ETP = 1: the FC2 output is made and read on one stream, nothing pending-free to replace"
+    return out
+
+
 def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None) -> dict[str, BufferBound]:
     """Bounds and persistent bytes per enabled buffer (slots x rows x hidden x element size).
 
-    An enabled dispatch buffer whose dispatch is an identity (:func:`identity_dispatch`) is listed
-    with its bound but 0 slots: ``install()`` registers no ring for it.
+    An enabled buffer that replaces nothing (:func:`unused_rings`) is listed with its bound but 0 slots:
+    ``install()`` registers no ring for it.
     """
     if tokens is None:
         return {}
     hidden = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0) or 0)
     rows, source = dispatch_rows(cfg, path, tokens)
     etp = int(_get(cfg, "expert_tensor_parallel_size", None) or 1)
+    unused = unused_rings(cfg, knobs, path)
     out = {}
     for buf in knobs.enabled():
         r, src = (rows, source) if buf == "dispatch" else (rows * etp, source)
@@ -513,8 +555,8 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
             r += pad
             src += f"; + {pad} FP8/FP4 pad rows (TE grouped experts pad each local expert's split inside)"
         slots = knobs.slots(buf)
-        if buf == "dispatch" and identity_dispatch(cfg, path) and not knobs.moe_bufreuse_ring_identity_dispatch:
-            slots, src = 0, src + "; not used: at EP = 1 the all-to-all returns its input (no ring registered)"
+        if buf in unused:
+            slots, src = 0, f"{src}; not used: {unused[buf]}"
         out[buf] = BufferBound(
             buffer=buf,
             rows=r,

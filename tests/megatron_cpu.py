@@ -28,12 +28,15 @@ def single_process_model_parallel() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def install_exercising_dispatch(*args, **kwargs):
-    """``install()`` with the EP = 1 dispatch put into the ring (``ring_identity_dispatch=True``).
+def install_exercising_rings(*args, **kwargs):
+    """``install()`` with both rings in use at EP = 1 (``ring_identity_dispatch`` and ``ring_single_rank_expert``).
 
-    These one-process tests exercise the dispatch ring's hooks and release rules; in production an
-    EP = 1 dispatch is an identity and no dispatch ring is used (``tests/test_hot_path.py`` checks that).
+    These one-process tests exercise the rings' hooks and release rules; in production an EP = 1 dispatch
+    is an identity and an EP x ETP = 1 FC2 output never leaves its stream, so neither ring is used there
+    (``tests/test_hot_path.py`` checks that).
     """
     from bufreuse.integrations.megatron import install
 
-    return install(*args, ring_identity_dispatch=True, **kwargs)
+    kwargs.setdefault("ring_identity_dispatch", True)
+    kwargs.setdefault("ring_single_rank_expert", True)
+    return install(*args, **kwargs)

@@ -50,7 +50,10 @@ def test_check_config_checklist_shows_each_failure_and_fix() -> None:
 
 def test_check_config_nothing_enabled_and_assume_enabled(tmp_path: Path) -> None:
     p = tmp_path / "base.yaml"
-    p.write_text("moe_token_dispatcher_type: alltoall\nhidden_size: 64\nnum_moe_experts: 8\nbf16: true\n")
+    p.write_text(
+        "moe_token_dispatcher_type: alltoall\nhidden_size: 64\nnum_moe_experts: 8\nbf16: true\n"
+        "expert_model_parallel_size: 2\n"
+    )  # fmt: skip  (at EP x ETP = 1 no ring would be used)
     off = runner.invoke(app, ["check-config", "--json", str(p)])
     assert off.exit_code == 1 and "no buffer is enabled" in json.loads(off.output)["error"]
     on = runner.invoke(app, ["check-config", "--json", "--assume-enabled", "--seq-length", "128",

@@ -1,30 +1,39 @@
 """The hooks' per-call work, counted (not timed): regions, copies, and what production leaves alone.
 
 Real megatron-core ``MoELayer`` on CPU (gloo world of one, EP = 1, pad-to-capacity: megatron's dropless
-path needs CUDA streams). Production mode unless a test says otherwise. Timings belong to
-``bufreuse bench layer`` (docs/benchmarks.md), not here.
+path needs CUDA streams). Production mode unless a test says otherwise. At EP x ETP = 1 production leaves
+both rings unused (the first tests check that); the rest ring the expert FC2 output anyway
+(``ring_single_rank_expert``), as it runs where it is used. Timings belong to ``bufreuse bench layer``
+(docs/benchmarks.md), not here.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import single_process_model_parallel
+from megatron_cpu import install_exercising_rings, single_process_model_parallel
 
-from bufreuse.config import BufReuseConfig, identity_dispatch, static_bounds
+from bufreuse.config import BufReuseConfig, identity_dispatch, single_rank_expert, static_bounds, unused_rings
 from bufreuse.errors import BackendContractError
 from bufreuse.integrations.alltoall import functions
 from bufreuse.integrations.alltoall.hooks import passthrough_combine_stages
 from bufreuse.integrations.core import DISPATCH, EXPERT
-from bufreuse.integrations.megatron import install
+from bufreuse.integrations.megatron import install as production_install
 from bufreuse.pool import BufferPool
 from bufreuse.pool._device import saved_hooks_push_pop
 
 HIDDEN, SEQ, MBS = 32, 8, 2
 TOKENS = SEQ * MBS
+
+
+def install(*args, ring_identity_dispatch: bool = False, **kwargs):
+    """``install()`` with the EP x ETP = 1 expert ring in use (production leaves it alone; see the first tests)."""
+    return install_exercising_rings(*args, ring_identity_dispatch=ring_identity_dispatch, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +129,62 @@ def test_ep1_dispatch_is_left_alone_and_copies_nothing(parallel, monkeypatch) ->
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
 
 
+def _instance_state(layer) -> dict:
+    """Every submodule's instance attributes and class: what a hook would change."""
+    return {name: (type(m), set(vars(m))) for name, m in layer.named_modules()}
+
+
+def test_production_leaves_both_rings_alone_at_ep_x_etp_1(parallel) -> None:
+    layer = _layer()
+    ref = [_step(layer, s) for s in range(3)]
+    before = _instance_state(layer)
+    # positive control: with the validation knobs both rings are registered, hooked and acquired every call
+    pool = BufferPool("cpu")
+    with production_install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True,
+                            ring_single_rank_expert=True) as inst:  # fmt: skip
+        hooked = _instance_state(layer)
+        got = [_step(layer, s) for s in range(3)]
+    assert inst.unused == {} and {n: s.acquisitions for n, s in pool.stats().items()} == {DISPATCH: 3, EXPERT: 3}
+    assert hooked != before
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+    # production: no ring registered, no submodule touched, and the installation says why for each
+    pool = BufferPool("cpu")
+    with production_install(layer, pool, _knobs(), tokens=TOKENS) as inst:
+        during = _instance_state(layer)
+        got = [_step(layer, s) for s in range(3)]
+    assert pool.names() == [] and set(inst.unused) == {DISPATCH, EXPERT}
+    assert "EP = 1" in inst.unused[DISPATCH] and "EP x ETP = 1" in inst.unused[EXPERT]
+    (root, (cls, attrs)), rest = next(iter(during.items())), dict(list(during.items())[1:])
+    assert cls is before[root][0] and attrs - before[root][1] == {"_bufreuse_hooked"}  # only install()'s mark
+    assert rest == {k: v for k, v in before.items() if k != root}
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+    assert _instance_state(layer) == before
+
+
+def test_the_expert_ring_is_used_wherever_its_output_leaves_the_stream() -> None:
+    cfg = {"expert_model_parallel_size": 1, "hidden_size": 8, "num_moe_experts": 4, "moe_router_topk": 2,
+           "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}  # fmt: skip
+    assert single_rank_expert(cfg, "alltoall")
+    for other in (
+        {"expert_model_parallel_size": 2},
+        {"expert_tensor_parallel_size": 2},
+        {"tensor_model_parallel_size": 2},
+    ):  # fmt: skip  (ETP defaults to TP in megatron)
+        assert not single_rank_expert({**cfg, **other}, "alltoall"), other
+    assert single_rank_expert({**cfg, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1}, "alltoall")
+    assert not single_rank_expert(cfg, "hybridep")  # HybridEP's combine reads it on its own stream
+    at1 = static_bounds(cfg, _knobs(), path="alltoall", tokens=16)
+    assert at1["expert"].persistent_bytes == 0 and "EP x ETP = 1" in at1["expert"].source
+    for other, path in (({"expert_model_parallel_size": 2}, "alltoall"), ({"expert_tensor_parallel_size": 2},
+                        "alltoall"), ({}, "hybridep")):  # fmt: skip
+        used = static_bounds({**cfg, **other}, _knobs(), path=path, tokens=16)["expert"]
+        assert used.persistent_bytes == 2 * used.slot_bytes > 0, (other, path)
+    knob = dataclasses.replace(_knobs(), moe_bufreuse_ring_single_rank_expert=True)
+    assert static_bounds(cfg, knob, path="alltoall", tokens=16)["expert"].persistent_bytes > 0
+    assert set(unused_rings(cfg, _knobs(), "alltoall")) == {"dispatch", "expert"}
+    assert unused_rings(cfg, _knobs(dispatch=False, expert=0), "alltoall") == {}  # only enabled buffers
+
+
 def test_bounds_count_no_dispatch_ring_bytes_at_ep1() -> None:
     cfg = {"expert_model_parallel_size": 1, "hidden_size": 8, "num_moe_experts": 4, "moe_router_topk": 2,
            "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}  # fmt: skip
@@ -129,7 +194,7 @@ def test_bounds_count_no_dispatch_ring_bytes_at_ep1() -> None:
     at2 = static_bounds({**cfg, "expert_model_parallel_size": 2}, _knobs(), path="alltoall", tokens=16)
     assert at1["dispatch"].persistent_bytes == 0 and "EP = 1" in at1["dispatch"].source
     assert at2["dispatch"].persistent_bytes == 2 * at2["dispatch"].slot_bytes > 0
-    assert at1["expert"].persistent_bytes == 2 * at1["expert"].slot_bytes > 0
+    assert at1["expert"].persistent_bytes == 0  # EP x ETP = 1: the expert ring is unused too (above)
     assert not identity_dispatch(cfg, "hybridep")
 
 

@@ -19,10 +19,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from megatron_cpu import install_exercising_dispatch  # noqa: E402
+from megatron_cpu import install_exercising_rings  # noqa: E402
 
 from bufreuse.config import BufReuseConfig  # noqa: E402
-from bufreuse.integrations.megatron import install  # noqa: E402
 from bufreuse.pool import BufferPool  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -111,7 +110,7 @@ def _knobs() -> BufReuseConfig:
     )
 
 
-@pytest.mark.parametrize("exercise_dispatch", [False, True], ids=["production-ep1", "dispatch-ring"])
+@pytest.mark.parametrize("exercise_dispatch", [False, True], ids=["expert-ring", "both-rings"])
 def test_hooked_stages_add_no_host_device_sync(parallel, exercise_dispatch: bool) -> None:
     # the detector sees a sync (positive control)
     assert _syncs(lambda: torch.ones(1, device="cuda").item()) >= 1
@@ -120,8 +119,8 @@ def test_hooked_stages_add_no_host_device_sync(parallel, exercise_dispatch: bool
     control = _syncs(lambda: _calls(layer))
     pool = BufferPool("cuda")
     assert not pool.debug
-    do_install = install_exercising_dispatch if exercise_dispatch else install
-    with do_install(layer, pool, _knobs(), tokens=SEQ * MBS):
+    # EP = 1 leaves both rings unused in production: ring them anyway (the expert ring alone, or both)
+    with install_exercising_rings(layer, pool, _knobs(), tokens=SEQ * MBS, ring_identity_dispatch=exercise_dispatch):
         _calls(layer)  # the rings' warm-up
         rings = _syncs(lambda: _calls(layer))
         stats = pool.stats()

@@ -52,19 +52,38 @@ def test_entry_registers_knobs_validates_and_installs() -> None:
     ["--global-batch-size", "16"], "expert_fc2_output=1 (planned for 8 microbatch(es), PP rank 0)")])  # fmt: skip
 def test_entry_auto_ring_starts_at_the_plan_when_the_schedule_is_known(batch: list[str], start: str) -> None:
     auto = ["--moe-hybridep-num-expert-output-buffers", "auto", "--moe-bufreuse-auto-max-mib", "64"]
-    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *batch, *auto])
+    res = _run(
+        [
+            "--megatron-lm",
+            str(FAKE),
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "2",
+            *batch,
+            *auto,
+            "--moe-bufreuse-ring-single-rank-expert",
+        ]
+    )  # fmt: skip  (EP = 1: the expert ring is exercised)
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
     assert f"num_slots='auto' starts at {start}, cap 64 MiB" in line, line
     assert _seen(res.stdout)["hooked"]
 
 
-def test_entry_says_the_ep1_dispatch_ring_is_not_used() -> None:
+def test_entry_says_the_ep1_rings_are_not_used() -> None:
     res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING])
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
-    assert "dispatch_output=" not in line.split("; not used")[0] and "expert_fc2_output=" in line
-    assert "not used: dispatch_output (EP = 1" in line, line
+    assert "persistent bytes none; not used: " in line, line
+    assert "dispatch_output (EP = 1:" in line and "expert_fc2_output (EP x ETP = 1:" in line, line
+    # positive control: the validation knob rings the FC2 output, and the line lists its bytes
+    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING,
+                "--moe-bufreuse-ring-single-rank-expert"])  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+    assert "dispatch_output=" not in line.split("; not used")[0] and "expert_fc2_output=" in line, line
+    assert "not used: dispatch_output (EP = 1:" in line and "expert_fc2_output (" not in line, line
 
 
 def test_entry_checkout_from_environment_and_knobs_off() -> None:
@@ -107,7 +126,7 @@ def _vpp(slots: int) -> subprocess.CompletedProcess[str]:
 
 def test_entry_vpp_chunks_share_one_ring_sized_by_the_plan() -> None:
     # At EP = 1 the dispatch ring is exercised through the validation knob (_vpp passes it): production
-    # leaves an identity dispatch alone (test_entry_says_the_ep1_dispatch_ring_is_not_used).
+    # leaves an identity dispatch alone (test_entry_says_the_ep1_rings_are_not_used).
     # Rank 0 of p = 2, v = 2 (g = p): megatron's warm-up is 2 (p - 1) + (v - 1) g = 4 forwards, the steady
     # phase runs one more before the first backward, and every one holds its chunk's single MoE layer's slot
     # in the one ring both chunks share: 5. A pool per chunk would have needed min(m, 2g, w + 1) = 4 per ring.

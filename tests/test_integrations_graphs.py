@@ -196,7 +196,7 @@ def cpu_layer():
 
 def test_install_wraps_full_iteration_wrapper_and_uninstall_restores(cpu_layer) -> None:
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-    from megatron_cpu import install_exercising_dispatch as install
+    from megatron_cpu import install_exercising_rings as install
 
     from bufreuse.config import BufReuseConfig
     from bufreuse.integrations.requirements import validate

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
+from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 from megatron_cpu import single_process_model_parallel  # noqa: E402
 
 from bufreuse.config import BufReuseConfig, load_megatron_file  # noqa: E402

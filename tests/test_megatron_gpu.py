@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
+from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 from schedule_harness import (  # noqa: E402
     MODES,
     alloc_stacks,

@@ -252,6 +252,26 @@ def test_plan_marks_the_ep1_dispatch_ring_unused_as_install_does():
         assert real.unused is None and real.persistent_bytes == real.minimum * real.slot_bytes > 0
 
 
+def test_plan_marks_the_single_rank_expert_ring_unused_as_install_does():
+    from bufreuse.config import BufReuseConfig, static_bounds
+
+    fields = {
+        "num_layers": 2, "num_microbatches": 4, "seq_length": 128, "micro_batch_size": 1, "hidden_size": 64,
+        "moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2,
+        "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "bf16": True,
+        "moe_hybridep_num_expert_output_buffers": 2,
+    }  # fmt: skip
+    expert = next(b for b in plan_config(fields).buffers if b.buffer == "expert")
+    bounds = static_bounds(fields, BufReuseConfig.from_mapping(fields), path="alltoall", tokens=128)
+    assert bounds["expert"].slots == 0
+    assert expert.unused and "one stream" in expert.unused and expert.persistent_bytes == 0 and expert.cycle is None
+    # Positive controls: EP 2, expert TP 2, and the validation knob each give a real ring.
+    for extra in ({"expert_model_parallel_size": 2}, {"expert_tensor_parallel_size": 2},
+                  {"moe_bufreuse_ring_single_rank_expert": True}):  # fmt: skip
+        real = next(b for b in plan_config({**fields, **extra}).buffers if b.buffer == "expert")
+        assert real.unused is None and real.persistent_bytes == real.minimum * real.slot_bytes > 0, extra
+
+
 def test_an_unused_dispatch_ring_is_never_too_small():
     # One expert, bf16 GEMMs save the slot, PP 4: the dispatch minimum is well above 1 slot -- for a ring that
     # install() never registers at EP = 1, so the plan is fine and exits 0.

@@ -1060,9 +1060,11 @@ def test_watchdog_pause_holds_reports_until_resume():
 
 def test_bench_pool_cli_cpu_json_and_table(tmp_path):
     import json
+    import math
 
     from typer.testing import CliRunner
 
+    from bufreuse.bench.pool_bench import HOOK_ROWS
     from bufreuse.cli import app
 
     runner = CliRunner()
@@ -1075,7 +1077,12 @@ def test_bench_pool_cli_cpu_json_and_table(tmp_path):
     assert data["cpu_tensors"] and "CPU tensors" in data["note"] and data["shape"] == [64, 32]
     names = [row["name"] for row in data["rows"]]
     assert names[0] == "torch.empty + free (CPU)" and "BufferPool ring" in names
-    assert all(row["us_per_pair"] > 0 for row in data["rows"]) and data["rows"][0]["ratio"] == 1.0
+    # timed rows are positive; the saved-tensor hook rows are differences of two timings (hooked minus bare
+    # forward), which noise on a loaded box can push to or below 0: finite is what can be asserted there
+    hook_rows = set(HOOK_ROWS)
+    assert all(row["us_per_pair"] > 0 for row in data["rows"] if row["name"] not in hook_rows)
+    assert all(math.isfinite(row["us_per_pair"]) for row in data["rows"]) and data["rows"][0]["ratio"] == 1.0
+    assert hook_rows <= set(names)
     table = runner.invoke(app, args)
     assert table.exit_code == 0 and "BufferRing.acquire + release" in table.stdout and "CPU tensors" in table.stdout
     refused = runner.invoke(app, [*args, "--probe-external-events"])

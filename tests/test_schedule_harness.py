@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import install_exercising_dispatch as install  # noqa: E402  (EP = 1: see its docstring)
+from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 from megatron_cpu import single_process_model_parallel  # noqa: E402
 from schedule_harness import MODES, ORDERS, Row, compare, control_is_deterministic, guard, mode_env, rows_for  # noqa: E402
 

@@ -16,6 +16,10 @@ figure is the geometric mean of its paired ratios with a 95% t interval
 over all rounds, Welch) is kept beside it, and the control's own drift (its second half of rounds
 against its first) is judged the unpaired way.
 
+At EP = 1 the rings replace nothing and ``install()`` leaves them alone (no hooks, no cost); the bench
+rings the expert FC2 output anyway (``ring_single_rank_expert``), so it measures the expert ring's hooks as
+they run where they are used (EP > 1), without the dispatch copy an EP = 1 dispatch ring would add.
+
 On CUDA the layer is called as a module (``layer(x)``; FP8 in megatron's ``get_fp8_context``). On CPU
 megatron's router moves its weight to CUDA and the dropless dispatcher copies counts on a CUDA
 stream, so the CPU layer runs pad-to-capacity and its stages are called in the module's order with
@@ -382,6 +386,7 @@ def _installed(
             _knobs(arm, cfg.slots),
             tokens=cfg.tokens,
             num_microbatches=cfg.microbatches,
+            ring_single_rank_expert=True,  # EP x ETP = 1 leaves the expert ring unused; measure it as where it is used
         )
     try:
         yield inst

@@ -448,9 +448,6 @@ class Installation:
     """Ring name -> where the planner's rule says it is released (:mod:`bufreuse.plan.rules`)."""
     auto_start: dict[str, int] = field(default_factory=dict)
     """Ring name -> the depth an ``auto`` ring was registered at (the planner's figure, or the default)."""
-    ring_identity_dispatch: bool = False
-    """Put an EP = 1 all-to-all dispatch (an identity upstream) into the ring anyway: one copy per call
-    that exists only to exercise the dispatch ring's hooks on one GPU (tests, the schedule harness)."""
     unused: dict[str, str] = field(default_factory=dict)
     """Ring name -> why an enabled buffer is left alone (nothing to replace), logged once."""
     _mixed: set[str] = field(default_factory=set)
@@ -461,6 +458,11 @@ class Installation:
     def claim(self, layer: Any, buffer: str, adapter: str) -> None:
         """Record that ``adapter`` hooks ``buffer`` of ``layer`` (``install`` decides, adapters ask)."""
         self._owners[(id(layer), buffer)] = adapter
+
+    def unclaim(self, layer: Any, buffer: str, why: str) -> None:
+        """Leave ``buffer`` of ``layer`` unhooked (it replaces nothing there): no adapter hooks it; noted once."""
+        if self._owners.pop((id(layer), buffer), None) is not None:
+            self.note_unused(ring_name(buffer), why)
 
     def hooks(self, adapter: str, layer: Any, buffer: str) -> bool:
         """Whether ``buffer`` is enabled and ``adapter`` hooks it on ``layer``."""

@@ -21,11 +21,12 @@ everything; nothing is patched at import time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from bufreuse.config import BufReuseConfig, dispatch_path, identity_dispatch
+from bufreuse.config import BufReuseConfig, dispatch_path, unused_rings
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.core import (
     KNOBS,
@@ -59,6 +60,7 @@ def install(
     num_microbatches: int | None = None,
     pp_rank: int = 0,
     ring_identity_dispatch: bool = False,
+    ring_single_rank_expert: bool = False,
 ) -> Installation:
     """Register the enabled buffers on ``pool`` and hook every supported ``MoELayer`` in ``model``.
 
@@ -84,6 +86,10 @@ def install(
             ring is used (``Installation.unused`` says so); True copies it into the ring anyway, to
             exercise the dispatch ring's hooks on one GPU (tests); the knob
             ``moe_bufreuse_ring_identity_dispatch`` does the same. Costs one copy per layer call.
+        ring_single_rank_expert: at EP x ETP = 1 on the all-to-all path the FC2 output is made and read
+            on one stream and no expert ring is used; True rings it anyway, to exercise and measure the
+            expert ring's hooks on one GPU (tests, ``bench layer``); the knob
+            ``moe_bufreuse_ring_single_rank_expert`` does the same. Adds no copy.
 
     Returns:
         The installation; ``uninstall()`` it (or use it as a context manager) to restore the model.
@@ -98,16 +104,19 @@ def install(
 
     if not tokens or tokens < 1:
         raise ConfigError(f"install needs tokens per microbatch >= 1 to size the buffers, got {tokens!r}")
+    if ring_identity_dispatch or ring_single_rank_expert:  # the validation aids, as unused_rings reads them
+        knobs = dataclasses.replace(
+            knobs,
+            moe_bufreuse_ring_identity_dispatch=ring_identity_dispatch or knobs.moe_bufreuse_ring_identity_dispatch,
+            moe_bufreuse_ring_single_rank_expert=ring_single_rank_expert or knobs.moe_bufreuse_ring_single_rank_expert,
+        )
     inst = Installation(
         pool=pool,
         knobs=knobs,
         tokens=tokens,
         num_microbatches=num_microbatches,
         pp_rank=pp_rank,
-        ring_identity_dispatch=ring_identity_dispatch,
     )
-    ring_identity_dispatch = ring_identity_dispatch or knobs.moe_bufreuse_ring_identity_dispatch
-    inst.ring_identity_dispatch = ring_identity_dispatch
     modules = model if isinstance(model, list) else [model]
     layers = [m for root in modules for m in root.modules() if isinstance(m, MoELayer)]
     if any(_MARK in vars(m) for m in layers):
@@ -121,10 +130,10 @@ def install(
             "moe_flex_dispatcher_backend='hybridep')"
         )
     ring_slots = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
-    cfg0 = layers[0].config if layers else None
-    unused = cfg0 is not None and not ring_identity_dispatch and identity_dispatch(cfg0, dispatch_path(cfg0))
-    if unused and "dispatch" in ring_slots:
-        del ring_slots["dispatch"]  # EP = 1 all-to-all: no dispatch ring is registered, nothing to plan
+    for layer, _ in plans:  # buffers that replace nothing on this layer: no ring, no hooks, nothing to plan
+        for buffer, why in unused_rings(layer.config, knobs, dispatch_path(layer.config)).items():
+            inst.unclaim(layer, buffer, why)
+            ring_slots.pop(buffer, None)
     if layers and ring_slots:
         _refuse_scheduled_release(layers[0].config)
         chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
@@ -164,6 +173,7 @@ def installed(
     num_microbatches: int | None = None,
     pp_rank: int = 0,
     ring_identity_dispatch: bool = False,
+    ring_single_rank_expert: bool = False,
 ) -> Iterator[Installation]:
     """``install`` for the duration of a ``with`` block (same arguments and errors)."""
     inst = install(
@@ -174,6 +184,7 @@ def installed(
         num_microbatches=num_microbatches,
         pp_rank=pp_rank,
         ring_identity_dispatch=ring_identity_dispatch,
+        ring_single_rank_expert=ring_single_rank_expert,
     )
     try:
         yield inst

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bufreuse import limits
-from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, identity_dispatch, static_bounds, tokens_per_microbatch
+from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch, unused_rings
 from bufreuse.errors import InputError
 from bufreuse.plan.depth import ALL_CHUNKS, closed_form, pending_at, ring_depths
 from bufreuse.plan.hazards import Cycle, find_hazards
@@ -355,17 +355,12 @@ def plan_config(
         slot_bytes={b: bd.slot_bytes for b, bd in bounds.items()},
         lag_steps=lag_steps,
     )
+    unused = unused_rings(fields, knobs, path or "alltoall")
     for plan in plans:
-        # The same model as install(): at EP = 1 the all-to-all returns its input and no dispatch ring exists.
-        # The control allocates nothing there either, so it has no pending-free from it.
-        if (
-            plan.buffer == "dispatch"
-            and identity_dispatch(fields, path or "alltoall")
-            and not knobs.moe_bufreuse_ring_identity_dispatch
-        ):
-            plan.unused = (
-                "at EP = 1 the all-to-all dispatch returns its input (no ring, and no allocation in the control)"
-            )
+        # The same rule as install(): a ring that replaces nothing is not registered, and the control
+        # allocates nothing there that waits for a free either, so it has no pending-free from it.
+        if plan.buffer in unused:
+            plan.unused = unused[plan.buffer]
             plan.pending_count = 0
             plan.cycle = None
     return PlanReport(spec=spec, layers_per_chunk=layers, buffers=plans, tokens=tokens, path=path, lag_steps=lag_steps)

@@ -13,6 +13,11 @@
 #      gb-te-graph-control gb-te-graph-rings   the fixed-shape family with full-iteration CUDA graphs (the
 #                                           seed's mode), rings at the planned depth
 #      gb-te-fp8-control gb-te-fp8-rings    the GPU-bound TE shape with FP8 (hybrid, delayed)
+#      gb4-te-pad-control gb4-te-pad-rings  the fixed-shape family at micro-batch 4 (16384 tokens per micro-batch,
+#                                           global batch 16): GPU-bound in eager mode on the H200's host
+#      gb4-te-fp8-pad-control gb4-te-fp8-pad-rings   the same with FP8 (hybrid, delayed)
+#      Every family runs at EP = 1, where install() leaves both rings unused (nothing to replace); the rings
+#      arms add --moe-bufreuse-ring-single-rank-expert so the expert ring runs as it does where it is used.
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
 #      ab-<family>                          A B A B: <family>-control, <family>-rings, twice (family:
 #                                           local, te, te-fp8, gb-te, ...), logs <family>-control-1 ...
@@ -36,6 +41,11 @@ TINY=(  # host-bound: 10-17 TFLOP/s on an H200 with TE
   --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
   --micro-batch-size 2 --global-batch-size 8 --num-experts 8 --moe-router-topk 2
 )
+GB4=(  # the GB shape at micro-batch 4: four times the GPU work per host launch (eager is GPU-bound)
+  --num-layers 2 --hidden-size 4096 --ffn-hidden-size 4096 --moe-ffn-hidden-size 2048
+  --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096
+  --micro-batch-size 4 --global-batch-size 16 --num-experts 16 --moe-router-topk 4
+)
 GB=(  # GPU-bound, shaped like MoE training: 16 experts top-4, 4 micro-batches of 4096 tokens
   --num-layers 2 --hidden-size 4096 --ffn-hidden-size 4096 --moe-ffn-hidden-size 2048
   --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096
@@ -51,20 +61,23 @@ COMMON=(
 LOCAL=(--transformer-impl local)
 TE=(--transformer-impl transformer_engine --moe-grouped-gemm)
 FP8=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
+# At EP = 1 both rings replace nothing and install() leaves them alone; EXERCISE rings the expert FC2 output
+# anyway (no copy: TE writes into the slot), so the rings arms measure the expert ring's hooks.
+EXERCISE=(--moe-bufreuse-ring-single-rank-expert)
 RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
-  --moe-hybridep-num-expert-output-buffers 2)
+  --moe-hybridep-num-expert-output-buffers 2 "${EXERCISE[@]}")
 # gb-te / gb-te-fp8 rings: 4 slots each, as the seed ran them (`bufreuse plan` on the dropless gb-te arguments
 # asks for 1 and 1). At EP = 1 the all-to-all dispatch is an identity and bufreuse leaves it alone (install()
 # notes the dispatch ring unused): only the expert FC2 ring is active in these runs.
 GB_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 4
-  --moe-hybridep-num-expert-output-buffers 4)
+  --moe-hybridep-num-expert-output-buffers 4 "${EXERCISE[@]}")
 PAD=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
 GRAPH=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --no-check-for-nan-in-loss-and-grad "${PAD[@]}")
 # The planned depth: `bufreuse plan` on the gb-te-pad / gb-te-graph arguments (--data-parallel-size 1) says
 # dispatch minimum 2 (released after backward: bf16 GEMMs save it), expert minimum 1 (released after forward).
 # At EP = 1 the dispatch ring is not registered (identity dispatch); its knob is the plan's anyway.
 PLANNED_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
-  --moe-hybridep-num-expert-output-buffers 1)
+  --moe-hybridep-num-expert-output-buffers 1 "${EXERCISE[@]}")
 
 run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
   local name=$1 iters=$2 limit=$3 shape=$4
@@ -88,6 +101,7 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
 
 shape() {  # run name -> the name of its shape array
   case $1 in
+    gb4-*) echo GB4 ;;
     gb-*) echo GB ;;
     *) echo TINY ;;
   esac
@@ -110,6 +124,10 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
     gb-te-pad-rings) echo "${TE[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
     gb-te-fp8-control) echo "${TE[*]} ${FP8[*]}" ;;
     gb-te-fp8-rings) echo "${TE[*]} ${FP8[*]} ${GB_RINGS[*]}" ;;
+    gb4-te-pad-control) echo "${TE[*]} ${PAD[*]}" ;;
+    gb4-te-pad-rings) echo "${TE[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
+    gb4-te-fp8-pad-control) echo "${TE[*]} ${FP8[*]} ${PAD[*]}" ;;
+    gb4-te-fp8-pad-rings) echo "${TE[*]} ${FP8[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
     *) return 1 ;;
   esac
 }

@@ -18,9 +18,10 @@ deterministic algorithms), so it lands after the backward that reads them; nothi
 the configuration. Nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2); debug
 mode tracks the whole experts forward and raises if that ever changes.
 
-At EP = 1 the upstream all-to-all returns its input: there is no dispatch allocation for a ring to
-replace, so the dispatch output is left alone (no ring registered, no copy) unless the installation
-asks for it (``ring_identity_dispatch``: tests exercising the dispatch ring on one GPU). The autograd
+At EP = 1 the upstream all-to-all returns its input, and at EP x ETP = 1 the FC2 output is made and read on
+one stream: there is nothing for those rings to replace, so ``install()`` leaves them unclaimed (no ring
+registered, no copy, no hook; :func:`bufreuse.config.unused_rings`) unless a validation knob asks for them
+(tests exercising the rings on one GPU, ``bench layer``). The autograd
 Functions doing the writes live in :mod:`bufreuse.integrations.alltoall.functions`.
 """
 
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bufreuse.config import identity_dispatch, static_bounds
+from bufreuse.config import static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations.core import (
     BOTH,
@@ -149,10 +150,7 @@ class AllToAllAdapter:
 
         knobs = installation.knobs
         dtype = getattr(layer.config, "params_dtype", torch.float32)
-        mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]
-        if "dispatch" in mine and not dispatch_in_ring(installation, layer):
-            mine.remove("dispatch")  # EP = 1: the all-to-all returns its input, nothing to replace
-            installation.note_unused(DISPATCH, "EP = 1: the all-to-all returns its input (no allocation to replace)")
+        mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]  # install() unclaims
         bounds = static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens)
         for buf in mine:
             installation.register(buf, bounds[buf], dtype, layer.config)
@@ -164,11 +162,9 @@ class AllToAllAdapter:
 
 
 def dispatch_in_ring(inst: Installation, layer: Any) -> bool:
-    """Whether ``layer``'s all-to-all dispatch output goes into the dispatch ring (enabled, claimed, and not the
-    EP = 1 identity, unless the installation asks for it): then the experts can receive a slot."""
-    if not inst.hooks("alltoall", layer, "dispatch"):
-        return False
-    return not identity_dispatch(layer.config, "alltoall") or inst.ring_identity_dispatch
+    """Whether ``layer``'s all-to-all dispatch output goes into the dispatch ring (enabled and claimed; install()
+    unclaims the EP = 1 identity unless asked to ring it): then the experts can receive a slot."""
+    return inst.hooks("alltoall", layer, "dispatch")
 
 
 def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
