@@ -6,7 +6,9 @@
 #   OUT=out bash scripts/megatron-ab.sh --compare-only [FAMILY...]  # logs already in $OUT
 #   DRY_RUN=1 bash scripts/megatron-ab.sh [FAMILY...]  (or --dry-run): the order, commands and a wall-time estimate
 # FAMILY (examples/megatron-h200/run.sh): gb-te-pad gb-te-graph gb-te gb-te-fp8 (GPU-bound shape; -pad and -graph
-# at fixed shapes, rings at the planned depth), local te te-fp8 (tiny, host-bound). Default: gb-te-pad gb-te-graph.
+# at fixed shapes, rings at the planned depth), gb4-te-pad gb4-te-fp8-pad (the same at micro-batch 4: eager is
+# GPU-bound on the H200), local te te-fp8 (tiny, host-bound). Default: gb-te-pad gb-te-graph. The rings arms
+# exercise the expert ring at EP = 1 (--moe-bufreuse-ring-single-rank-expert; production leaves it unused there).
 # Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
 # even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
 # iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed
