@@ -30,6 +30,7 @@ __all__ = [
     "check_field_types",
     "dispatch_path",
     "dispatch_rows",
+    "expert_tp",
     "identity_dispatch",
     "load_megatron_file",
     "persistent_bytes",
@@ -514,10 +515,12 @@ def single_rank_expert(cfg: Any, path: str | None) -> bool:
     ``overlap_moe_expert_parallel_comm`` (EP > 1 only) cannot move it to a comm stream: the allocator frees
     the output at once, there is no pending free, and a ring would only add a slot and its hooks.
     """
-    if path != "alltoall" or int(_get(cfg, "expert_model_parallel_size", 1) or 1) != 1:
-        return False
-    etp = _get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1
-    return int(etp) == 1
+    return path == "alltoall" and int(_get(cfg, "expert_model_parallel_size", 1) or 1) == 1 and expert_tp(cfg) == 1
+
+
+def expert_tp(cfg: Any) -> int:
+    """Expert tensor-parallel size; unset, it is the tensor-parallel size, as megatron's config resolves it."""
+    return int(_get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1)
 
 
 def unused_rings(cfg: Any, knobs: BufReuseConfig, path: str | None) -> dict[str, str]:
@@ -545,7 +548,7 @@ def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | N
         return {}
     hidden = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0) or 0)
     rows, source = dispatch_rows(cfg, path, tokens)
-    etp = int(_get(cfg, "expert_tensor_parallel_size", None) or 1)
+    etp = expert_tp(cfg)
     unused = unused_rings(cfg, knobs, path)
     out = {}
     for buf in knobs.enabled():

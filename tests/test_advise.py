@@ -143,13 +143,15 @@ def test_advise_says_nothing_to_gain_with_ep_1(tmp_path: Path) -> None:
     args = tmp_path / "run.args"
     args.write_text(ARGS.format(ep=1))
     out = _json(str(snap), "--args", str(args), "--num-microbatches", "6")
-    assert (
-        out["gain"] is False
-        and out["verdict"].startswith("nothing to gain")
-        and "expert_model_parallel" in (out["verdict"])
-    )
+    assert out["gain"] is False and out["verdict"].startswith("nothing to gain here: install() would use no ring")
+    assert "dispatch_output: EP = 1" in out["verdict"] and "expert_fc2_output: EP x ETP = 1" in out["verdict"]
     assert out["flags"] == [] and out["what_if"]["predictions"] == []
     assert out["moe_pending_free_at_max_active_bytes"] == 2 * BLOCK  # the sites are still shown
+    # positive control: at EP = 1 with expert TP 2 the FC2 output is reduce-scattered, so its ring is used
+    # (install() and plan say the same), and advise goes on to the depth and the prediction
+    args.write_text(ARGS.format(ep=1) + "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2\n")
+    used = _json(str(snap), "--args", str(args), "--num-microbatches", "6")
+    assert used["verdict"].startswith("turn it on") and used["depth"]["slots"] == {"expert": 1}
 
 
 def test_advise_says_nothing_to_gain_without_moe_pending_free(tmp_path: Path) -> None:

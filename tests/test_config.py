@@ -32,7 +32,12 @@ from bufreuse.integrations.requirements import REQUIREMENTS, check, validate
 
 FEATURES_ON = Features(deepep_output_token=True, deepep_detail="fake", te_grouped_output=True, te_detail="fake")
 FEATURES_OFF = Features(deepep_output_token=False, deepep_detail="absent", te_grouped_output=False, te_detail="absent")
-BOTH_ON = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_expert_output_buffers=4)
+EXERCISED = {"moe_bufreuse_ring_identity_dispatch": True, "moe_bufreuse_ring_single_rank_expert": True}
+"""The validation knobs: the all-to-all configs here are EP = 1, where production uses no ring (and so
+requires nothing of one); these tests are about the requirements of rings that are used."""
+BOTH_ON = BufReuseConfig(
+    moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_expert_output_buffers=4, **EXERCISED
+)
 
 
 def _mc():
@@ -135,6 +140,22 @@ def test_validate_names_each_broken_rule(rule: str) -> None:
     assert rule in str(e.value) and fix in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "rule", sorted(r for r, (f, _) in BREAKERS.items() if f is _alltoall_cfg and r != "dispatcher")
+)
+def test_validate_asks_nothing_of_rings_unused_at_ep_1(rule: str) -> None:
+    # production knobs at EP x ETP = 1: install() registers neither ring, so none of their rules applies
+    # (the positive control is test_validate_names_each_broken_rule, the same config with the rings exercised)
+    factory, fields = BREAKERS[rule]
+    cfg = _set(factory(), **fields)
+    production = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_expert_output_buffers=4
+    )
+    report = validate(cfg, production, seq_length=128, micro_batch_size=2, features=FEATURES_ON)
+    assert report.ok and {i.key for i in report.items} == {"dispatcher"}
+    assert {b.slots for b in report.bounds.values()} == {0}
+
+
 def test_validate_detected_features_gate_hybridep() -> None:
     report = check(_hybridep_cfg(), BOTH_ON, seq_length=128, micro_batch_size=2, features=FEATURES_OFF)
     assert {(i.key, i.buffer) for i in report.unmet} == {
@@ -169,7 +190,9 @@ def test_validate_stream_ordered_needs_no_overlap_or_fp8_but_a_hybridep_bound() 
 
 
 def test_validate_ring_needs_a_slot() -> None:
-    knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=0)
+    knobs = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=0, **EXERCISED
+    )
     report = check(_alltoall_cfg(), knobs, seq_length=128, micro_batch_size=1, features=FEATURES_ON)
     assert [i.key for i in report.unmet] == ["dispatch_slots"]
 
@@ -184,7 +207,10 @@ def test_static_bound_hybridep_rank_capacity_aligned() -> None:
 def test_static_bound_pad_to_capacity_and_dropless_worst_case() -> None:
     cfg = _set(_alltoall_cfg(), moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=True)
     assert static_bounds(cfg, BOTH_ON, path="alltoall", tokens=1000)["dispatch"].rows == 8 * 313
-    dropless = static_bounds(_alltoall_cfg(), BOTH_ON, path="alltoall", tokens=1000)["dispatch"]
+    production = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_expert_output_buffers=4
+    )
+    dropless = static_bounds(_alltoall_cfg(), production, path="alltoall", tokens=1000)["dispatch"]
     # EP = 1: the all-to-all returns its input, so no dispatch ring is registered (its bound is still reported)
     assert dropless.rows == 1 * 1000 * 2 and dropless.persistent_bytes == 0 and "EP = 1" in dropless.source
     ep2 = static_bounds(_set(_alltoall_cfg(), expert_model_parallel_size=2), BOTH_ON, path="alltoall", tokens=1000)
@@ -352,7 +378,9 @@ def test_every_rule_on_megatron_core_016_field_set() -> None:
             for k, v in case["fields"].items():
                 setattr(cfg, k, v)
             knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True,
-                                   moe_hybridep_num_expert_output_buffers=2 if case["both"] else 0)
+                                   moe_hybridep_num_expert_output_buffers=2 if case["both"] else 0,
+                                   moe_bufreuse_ring_identity_dispatch=True,
+                                   moe_bufreuse_ring_single_rank_expert=True)
             r = check(cfg, knobs, seq_length=128, micro_batch_size=2, features=feats)
             out.append(sorted({i.key for i in r.unmet}))
         print(json.dumps(out))

@@ -62,6 +62,28 @@ def test_check_config_nothing_enabled_and_assume_enabled(tmp_path: Path) -> None
     assert json.loads(on.output)["rings"]["expert"]["slots"] == 4
 
 
+def test_check_config_requires_nothing_of_rings_that_would_be_unused(tmp_path: Path) -> None:
+    # moe_permute_fusion is unmet for the all-to-all rings; at EP x ETP = 1 install() uses neither ring, so
+    # check-config (like install() and plan) asks nothing of them: met, both listed with 0 slots
+    p = tmp_path / "fused.yaml"
+    base = ("moe_token_dispatcher_type: alltoall\nhidden_size: 64\nnum_moe_experts: 8\nbf16: true\n"
+            "moe_permute_fusion: true\nmoe_hybridep_reuse_dispatch_output_buffers: true\n"
+            "moe_hybridep_num_expert_output_buffers: 2\n")  # fmt: skip
+    args = ["check-config", "--json", "--seq-length", "128", "--micro-batch-size", "1", str(p)]
+    p.write_text(base + "expert_model_parallel_size: 1\n")
+    unused = runner.invoke(app, args)
+    assert unused.exit_code == 0, unused.output
+    data = json.loads(unused.output)
+    assert {b: r["slots"] for b, r in data["rings"].items()} == {"dispatch": 0, "expert": 0}
+    assert all(r["ok"] for r in data["requirements"]) and data["requirements"]  # the dispatcher row stays
+    # positive control: at EP = 2 both rings are used and the same field is unmet for them
+    p.write_text(base + "expert_model_parallel_size: 2\n")
+    used = runner.invoke(app, args)
+    assert used.exit_code == 1, used.output
+    unmet = [r for r in json.loads(used.output)["requirements"] if not r["ok"]]
+    assert unmet and all("permute" in (r["text"] + r["fix"]).lower() for r in unmet), unmet
+
+
 def test_check_config_unreadable_input_exits_2(tmp_path: Path) -> None:
     assert runner.invoke(app, ["check-config", str(tmp_path / "missing.yaml")]).exit_code == 2
     bad = tmp_path / "bad.yaml"

@@ -22,7 +22,7 @@ from bufreuse.config import BufReuseConfig, identity_dispatch, single_rank_exper
 from bufreuse.errors import BackendContractError
 from bufreuse.integrations.alltoall import functions
 from bufreuse.integrations.alltoall.hooks import passthrough_combine_stages
-from bufreuse.integrations.core import DISPATCH, EXPERT
+from bufreuse.integrations.core import DISPATCH, EXPERT, shared_patches_applied
 from bufreuse.integrations.megatron import install as production_install
 from bufreuse.pool import BufferPool
 from bufreuse.pool._device import saved_hooks_push_pop
@@ -143,7 +143,9 @@ def test_production_leaves_both_rings_alone_at_ep_x_etp_1(parallel) -> None:
     with production_install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True,
                             ring_single_rank_expert=True) as inst:  # fmt: skip
         hooked = _instance_state(layer)
+        patched = shared_patches_applied()
         got = [_step(layer, s) for s in range(3)]
+    assert patched and inst.layers == 1 and not shared_patches_applied()
     assert inst.unused == {} and {n: s.acquisitions for n, s in pool.stats().items()} == {DISPATCH: 3, EXPERT: 3}
     assert hooked != before
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
@@ -151,8 +153,9 @@ def test_production_leaves_both_rings_alone_at_ep_x_etp_1(parallel) -> None:
     pool = BufferPool("cpu")
     with production_install(layer, pool, _knobs(), tokens=TOKENS) as inst:
         during = _instance_state(layer)
+        patched = shared_patches_applied()  # megatron's release paths and graph wrapper: nothing to keep alive
         got = [_step(layer, s) for s in range(3)]
-    assert pool.names() == [] and set(inst.unused) == {DISPATCH, EXPERT}
+    assert pool.names() == [] and set(inst.unused) == {DISPATCH, EXPERT} and inst.layers == 0 and not patched
     assert "EP = 1" in inst.unused[DISPATCH] and "EP x ETP = 1" in inst.unused[EXPERT]
     (root, (cls, attrs)), rest = next(iter(during.items())), dict(list(during.items())[1:])
     assert cls is before[root][0] and attrs - before[root][1] == {"_bufreuse_hooked"}  # only install()'s mark

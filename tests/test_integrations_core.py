@@ -133,7 +133,12 @@ def test_expert_output_writer_row_needs_sequential_mlp_or_te_out() -> None:
     on = Features(deepep_output_token=False, deepep_detail="", te_grouped_output=True, te_detail="te out=")
     off = Features(deepep_output_token=False, deepep_detail="", te_grouped_output=False, te_detail="no TE")
     knobs = BufReuseConfig(moe_hybridep_num_expert_output_buffers=2)
-    base = {"moe_token_dispatcher_type": "alltoall", "hidden_size": 8, "num_moe_experts": 2}
+    base = {
+        "moe_token_dispatcher_type": "alltoall",
+        "hidden_size": 8,
+        "num_moe_experts": 2,
+        "expert_model_parallel_size": 2,
+    }  # fmt: skip  (at EP x ETP = 1 the ring is unused: nothing is asked)
 
     def unmet(cfg: dict, feats: Features) -> dict:
         report = check(cfg, knobs, seq_length=4, micro_batch_size=1, features=feats)
@@ -142,10 +147,18 @@ def test_expert_output_writer_row_needs_sequential_mlp_or_te_out() -> None:
     assert "expert_output_writer" not in unmet({**base, "moe_grouped_gemm": False}, off)
     assert "expert_output_writer" not in unmet({**base, "moe_grouped_gemm": True}, on)
     assert unmet({**base, "moe_grouped_gemm": True}, off)["expert_output_writer"] == "no TE"
+    assert "expert_output_writer" not in unmet({**base, "moe_grouped_gemm": True, "expert_model_parallel_size": 1}, off)
 
 
 def test_install_refusals_name_the_field_for_deferred_readers() -> None:
-    knobs = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_dispatch_output_buffers=2)
+    # EP = 1 configs: the dispatch ring is exercised (production leaves it unused there and refuses nothing)
+    ring = {"moe_hybridep_reuse_dispatch_output_buffers": True, "moe_bufreuse_ring_identity_dispatch": True}
+    assert not core.install_refusals(
+        {"delay_wgrad_compute": True, "cuda_graph_impl": "full_iteration", "num_moe_experts": 1},
+        BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True),
+        "alltoall",
+    )
+    knobs = BufReuseConfig(**ring, moe_hybridep_num_dispatch_output_buffers=2)
     got = core.install_refusals(
         {"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"], "delay_wgrad_compute": True,
          "cuda_graph_impl": "full_iteration", "num_moe_experts": 1},
@@ -161,9 +174,7 @@ def test_install_refusals_name_the_field_for_deferred_readers() -> None:
     assert not core.install_refusals({"delay_wgrad_compute": True, "num_moe_experts": 1}, knobs, "alltoall")
     assert core.install_refusals({"overlap_dispatch_backward_with_experts_wgrad": True, "cuda_graph_impl": "local"},
                                  knobs, "hybridep")  # fmt: skip
-    control = BufReuseConfig(
-        moe_hybridep_reuse_dispatch_output_buffers=True, moe_bufreuse_dispatch_policy="record-stream"
-    )
+    control = BufReuseConfig(**ring, moe_bufreuse_dispatch_policy="record-stream")
     assert not core.install_refusals(graphed, control, "alltoall")  # allocator keeps it alive
 
 

@@ -39,11 +39,26 @@ def _seen(out: str) -> dict:
 
 
 def test_entry_registers_knobs_validates_and_installs() -> None:
-    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", "--script-flag", "x",
-                *RING, "--moe-bufreuse-expert-policy", "stream-ordered"])  # fmt: skip
+    res = _run(
+        [
+            "--megatron-lm",
+            str(FAKE),
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--script-flag",
+            "x",
+            *RING,
+            "--moe-bufreuse-expert-policy",
+            "stream-ordered",
+            "--moe-bufreuse-ring-single-rank-expert",
+        ]
+    )  # fmt: skip  (EP = 1: exercise the expert buffer)
     assert res.returncode == 0, res.stderr
     seen = _seen(res.stdout)
     assert seen["hooked"] and seen["script_arg"] == "x"  # the script's own extra args still work
+    assert "bufreuse-megatron: hooked 1 MoE layer(s)" in res.stdout  # the stream-ordered expert buffer is hooked
     assert seen["knobs"]["moe_hybridep_num_expert_output_buffers"] == 2
     assert seen["knobs"]["moe_bufreuse_expert_policy"] == "stream-ordered"
 
@@ -75,7 +90,7 @@ def test_entry_says_the_ep1_rings_are_not_used() -> None:
     res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING])
     assert res.returncode == 0, res.stderr
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
-    assert "persistent bytes none; not used: " in line, line
+    assert line.startswith("bufreuse-megatron: hooked 0 MoE layer(s); persistent bytes none; not used: "), line
     assert "dispatch_output (EP = 1:" in line and "expert_fc2_output (EP x ETP = 1:" in line, line
     # positive control: the validation knob rings the FC2 output, and the line lists its bytes
     res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING,

@@ -42,12 +42,14 @@ def _seen(out: str) -> dict:
 
 
 def test_container_contract_registers_knobs_and_hooks_setup_model() -> None:
-    res = _run(["--seq-length", "64", "--micro-batch-size", "2", "--script-flag", "x", *RING])
+    # EP = 1: the expert ring is exercised with the validation knob (production would use no ring there)
+    res = _run(["--seq-length", "64", "--micro-batch-size", "2", "--script-flag", "x", *RING,
+                "--moe-bufreuse-ring-single-rank-expert"])  # fmt: skip
     assert res.returncode == 0, res.stderr
     seen = _seen(res.stdout)
     assert seen["hooked"] and seen["script_arg"] == "x" and seen["container"] == {"model": "tiny-moe"}
     assert seen["knobs"]["moe_hybridep_num_dispatch_output_buffers"] == 2
-    assert "bufreuse-megatron: hooked 1 MoE layer(s)" in res.stdout
+    assert "bufreuse-megatron: hooked 1 MoE layer(s); persistent bytes expert_fc2_output=" in res.stdout
 
 
 def test_container_contract_refuses_config_before_training() -> None:

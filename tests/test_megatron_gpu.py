@@ -373,6 +373,8 @@ def test_full_iteration_graph_megatron_wrapper_replays_match_eager(graphable_rng
         moe_hybridep_num_expert_output_buffers=slots,
         moe_bufreuse_dispatch_policy=policy,
         moe_bufreuse_expert_policy=policy,
+        moe_bufreuse_ring_identity_dispatch=True,  # EP = 1: validate what install_exercising_rings uses
+        moe_bufreuse_ring_single_rank_expert=True,
     )
     validate(layer.config, knobs, seq_length=SEQ, micro_batch_size=MBS)
     warmup, iters = 2, 6

@@ -133,10 +133,13 @@ def run_order(layer, xs: list, order: str) -> tuple[list, list, dict]:
 
 
 def knobs_for(row: Row) -> BufReuseConfig:
+    """Both rings at the row's depth, exercised at EP = 1 (validate() and install() read the same knobs)."""
     return BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True,
         moe_hybridep_num_dispatch_output_buffers=row.depth,
         moe_hybridep_num_expert_output_buffers=row.depth,
+        moe_bufreuse_ring_identity_dispatch=True,
+        moe_bufreuse_ring_single_rank_expert=True,
     )
 
 

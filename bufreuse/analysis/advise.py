@@ -10,8 +10,9 @@ It reads one control snapshot once and joins what the project already computes:
 - check-config's unmet requirements (passed in as its ``to_dict()``: this layer does not import integrations);
 - the Megatron flags that switch the rings on at that depth.
 
-"Nothing to gain" is said plainly when no MoE buffer waits in the pending-free queue, or when
-``expert_model_parallel_size`` is 1 (no expert all-to-all: the buffers are not freed across streams).
+"Nothing to gain" is said plainly when no MoE buffer waits in the pending-free queue, or when every waiting
+buffer's ring would be unused by the config (:func:`bufreuse.config.unused_rings`, the rule ``install()`` and
+the planner use: all-to-all at EP = 1 for the dispatch, at EP x expert TP = 1 for the FC2 output).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from bufreuse.analysis.snapshot.load import normalise
 from bufreuse.analysis.snapshot.report import ReportConfig, analyze
 from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.analysis.snapshot.whatif import what_if_data
-from bufreuse.config import BUFFERS
+from bufreuse.config import BUFFERS, BufReuseConfig, dispatch_path, unused_rings
 from bufreuse.errors import InputError
 
 __all__ = ["CATEGORY_BUFFER", "Advice", "advise", "ring_flags"]
@@ -159,17 +160,18 @@ def _join(
             for r in check.get("requirements", [])
             if not r["ok"] and (not wanted or r["buffer"] in wanted)
         ]
-    ep = _int(fields.get("expert_model_parallel_size")) if fields is not None else None
+    unused = _unused(fields, wanted) if fields is not None else {}
     if not moe:
         adv.verdict = (
             "nothing to gain here: no MoE buffer (dispatch or expert output) waits in the pending-free queue at the "
             "max-active point, so a ring would only add its own storage"
         )
         return adv
-    if ep == 1:
+    if wanted and all(b in unused for b in wanted):
+        why = "; ".join(f"{BUFFERS[b]}: {unused[b]}" for b in wanted)
         adv.verdict = (
-            "nothing to gain here: expert_model_parallel_size is 1, so there is no expert all-to-all and the MoE "
-            "buffers are not freed across streams (what waits here would wait without rings too)"
+            f"nothing to gain here: install() would use no ring on this config ({why}); what waits here would "
+            "wait with the rings on too"
         )
         return adv
     if fields is not None:
@@ -181,13 +183,6 @@ def _join(
     adv.flags = ring_flags(adv.depth)
     _verdict(adv)
     return adv
-
-
-def _int(v: Any) -> int | None:
-    try:
-        return int(v) if v is not None and not isinstance(v, bool) else None
-    except (TypeError, ValueError):
-        return None
 
 
 def _planner_depth(adv: Advice, fields: Mapping[str, Any], wanted: list[str], num_microbatches: int | None) -> None:
@@ -289,3 +284,12 @@ def _verdict(adv: Advice) -> None:
             f"nothing to gain here: {mib:,.0f} MiB of MoE buffers wait pending-free, but the ring storage at "
             f"{at['slots']} slot(s) costs as much: what-if predicts {-saved:+,.0f} MiB max reserved ({change:+.1%})"
         )
+
+
+def _unused(fields: Mapping[str, Any], wanted: list[str]) -> dict[str, str]:
+    """``{buffer key: why}`` for the wanted buffers the config leaves unused, with their rings assumed on."""
+    knobs = BufReuseConfig(
+        moe_hybridep_reuse_dispatch_output_buffers="dispatch" in wanted,
+        moe_hybridep_num_expert_output_buffers=1 if "expert" in wanted else 0,
+    )
+    return unused_rings(fields, knobs, dispatch_path(fields))

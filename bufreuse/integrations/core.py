@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bufreuse.config import BufferBound, BufReuseConfig
+from bufreuse.config import BufferBound, BufReuseConfig, unused_rings
 from bufreuse.errors import ConfigError
 from bufreuse.plan.report import initial_slots
 from bufreuse.plan.rules import REFUSALS, ReleasePoint, ReleaseRule, release_rule
@@ -164,8 +164,9 @@ def install_refusals(cfg: Any, knobs: BufReuseConfig, path: str) -> list[str]:
     ``release_rule(cfg, buffer).refusals`` decides; the words are the :data:`INSTALL_ROWS` row's.
     """
     out = []
+    unused = unused_rings(cfg, knobs, path)  # not registered, not hooked: nothing of theirs to refuse
     for buffer, policy in knobs.enabled().items():
-        if path not in PATHS:
+        if path not in PATHS or buffer in unused:
             continue
         for key in release_rule(cfg, buffer, path=path).refusals:
             row = _INSTALL_ROW[key]
@@ -441,6 +442,7 @@ class Installation:
     tokens: int
     """Tokens per rank per microbatch entering a MoE layer (sizes the static bounds)."""
     layers: int = 0
+    """MoE layers with at least one ring hooked (a layer whose enabled buffers are all unused is not counted)."""
     num_microbatches: int | None = None
     """Microbatches per step on this rank (with ``pp_rank``, the planner's schedule for ``auto`` rings)."""
     pp_rank: int = 0
@@ -463,6 +465,10 @@ class Installation:
         """Leave ``buffer`` of ``layer`` unhooked (it replaces nothing there): no adapter hooks it; noted once."""
         if self._owners.pop((id(layer), buffer), None) is not None:
             self.note_unused(ring_name(buffer), why)
+
+    def hooks_any(self, layer: Any) -> bool:
+        """Whether any adapter hooks any enabled buffer of ``layer`` (False when all are unused there)."""
+        return any(self.hooks(a, layer, b) for (lid, b), a in self._owners.items() if lid == id(layer))
 
     def hooks(self, adapter: str, layer: Any, buffer: str) -> bool:
         """Whether ``buffer`` is enabled and ``adapter`` hooks it on ``layer``."""

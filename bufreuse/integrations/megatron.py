@@ -153,8 +153,8 @@ def install(
                 a.hook(inst, layer)
             inst.expect(layer, path)
             inst.override(layer, _MARK, True)
-            inst.layers += 1
-        if knobs.enabled() and not shared_patches_applied():
+            inst.layers += inst.hooks_any(layer)
+        if inst.layers and not shared_patches_applied():  # no ring used on any layer: nothing to keep alive
             _patch_release_paths()
     except BaseException:
         inst.uninstall()

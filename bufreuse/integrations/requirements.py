@@ -16,7 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bufreuse.config import BufferBound, BufReuseConfig, dispatch_path, static_bounds, tokens_per_microbatch
+from bufreuse.config import (
+    BufferBound,
+    BufReuseConfig,
+    dispatch_path,
+    static_bounds,
+    tokens_per_microbatch,
+    unused_rings,
+)
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.core import (
     ALL_POLICIES,
@@ -172,13 +179,14 @@ def check(
     tokens = tokens_per_microbatch(cfg, seq_length=seq_length, micro_batch_size=micro_batch_size)
     ctx = CheckContext(cfg=cfg, knobs=knobs, path=path, tokens=tokens, features=feats)
     report = CheckReport(path=path, knobs=knobs, features=feats)
+    unused = unused_rings(cfg, knobs, path)  # install() registers and hooks none of these: nothing to require
     for buffer, policy in knobs.enabled().items():
         for req in REQUIREMENTS:
             if buffer not in req.buffers or policy not in req.policies:
                 continue
             if path is not None and path not in req.paths:
                 continue
-            if path is None and req.key != "dispatcher":
+            if (path is None or buffer in unused) and req.key != "dispatcher":
                 continue
             ok = bool(req.test(ctx))
             note = ""

@@ -72,7 +72,7 @@ class BufferPlan:
     cycle: Cycle | None = None
     """Where the GPU would be stuck with the configured slots (None: runs)."""
     unused: str | None = None
-    """Why ``install()`` registers no ring for this buffer (the EP = 1 identity dispatch), else None."""
+    """Why ``install()`` registers no ring for this buffer (:func:`bufreuse.config.unused_rings`), else None."""
 
     @property
     def ok(self) -> bool:
@@ -347,18 +347,22 @@ def plan_config(
     bounds = static_bounds(fields, knobs, path=path or "alltoall", tokens=tokens)
     configured = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
     rules = release_rules(fields, path=path)
-    plans = plan_schedule(
-        spec,
-        layers,
-        rules,
-        configured=configured,
-        slot_bytes={b: bd.slot_bytes for b, bd in bounds.items()},
-        lag_steps=lag_steps,
-    )
+    # The same rule as install(): a ring that replaces nothing is not registered, so the used rings are
+    # planned (and their cycles found) without it, as install() checks them; the unused one is planned
+    # alone for the record, with no memory, no pending-free (the control allocates nothing there that waits
+    # for a free either) and no cycle.
     unused = unused_rings(fields, knobs, path or "alltoall")
+    by_buffer: dict[str, BufferPlan] = {}
+    slot_bytes = {b: bd.slot_bytes for b, bd in bounds.items()}
+    for is_unused in (False, True):
+        group = {b: c for b, c in configured.items() if (b in unused) is is_unused}
+        if group:
+            for plan in plan_schedule(
+                spec, layers, rules, configured=group, slot_bytes=slot_bytes, lag_steps=lag_steps
+            ):
+                by_buffer[plan.buffer] = plan
+    plans = [by_buffer[b] for b in configured]
     for plan in plans:
-        # The same rule as install(): a ring that replaces nothing is not registered, and the control
-        # allocates nothing there that waits for a free either, so it has no pending-free from it.
         if plan.buffer in unused:
             plan.unused = unused[plan.buffer]
             plan.pending_count = 0

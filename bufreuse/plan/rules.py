@@ -63,7 +63,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bufreuse.config import pads_inside_experts
+from bufreuse.config import expert_tp, pads_inside_experts
 
 __all__ = [
     "REFUSALS",
@@ -289,8 +289,7 @@ def _parallel(cfg: Any) -> tuple[int, int, int]:
     """(local experts, EP, expert TP); expert TP defaults to TP as megatron's ``TransformerConfig`` does."""
     experts = int(_get(cfg, "num_moe_experts", 1) or 1)
     ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
-    etp = int(_get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1)
-    return max(1, experts // ep), ep, etp
+    return max(1, experts // ep), ep, expert_tp(cfg)
 
 
 def _local_sort_copies(cfg: Any) -> bool:

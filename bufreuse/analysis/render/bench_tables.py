@@ -35,6 +35,7 @@ def _title(result: dict[str, Any]) -> str:
         f"{c['microbatches']} microbatches × {c['steps']} per round; {result['config']['rounds']} rounds per arm "
         f"(A B B A, {c['warmup']} warm-up dropped); {where}, torch {env['torch']}, megatron-core {env['megatron_core']}"
         + (f", TE {env['transformer_engine']}" if c["spec"] == "te" else "")
+        + "; EP = 1: the expert ring is exercised as where it is used (production uses no ring at EP × ETP = 1)"
     )
 
 
