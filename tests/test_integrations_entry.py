@@ -38,27 +38,21 @@ def _seen(out: str) -> dict:
     return json.loads(line.removeprefix("FAKE-PRETRAIN "))
 
 
-def test_entry_registers_knobs_validates_and_installs() -> None:
-    res = _run(
-        [
-            "--megatron-lm",
-            str(FAKE),
-            "--seq-length",
-            "64",
-            "--micro-batch-size",
-            "2",
-            "--script-flag",
-            "x",
-            *RING,
-            "--moe-bufreuse-expert-policy",
-            "stream-ordered",
-            "--moe-bufreuse-ring-single-rank-expert",
-        ]
-    )  # fmt: skip  (EP = 1: exercise the expert buffer)
+BASE = ["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2"]
+EXERCISE = ["--moe-bufreuse-ring-single-rank-expert"]  # EP = 1: ring the FC2 output anyway (production: unused)
+
+
+def _hooked_line(res: subprocess.CompletedProcess[str]) -> str:
+    """The entry's ``bufreuse-megatron: hooked ...`` line of a run that exited 0."""
     assert res.returncode == 0, res.stderr
+    return next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+
+
+def test_entry_registers_knobs_validates_and_installs() -> None:
+    res = _run([*BASE, "--script-flag", "x", *RING, "--moe-bufreuse-expert-policy", "stream-ordered", *EXERCISE])
+    assert _hooked_line(res).startswith("bufreuse-megatron: hooked 1 MoE layer(s)")  # the stream-ordered buffer
     seen = _seen(res.stdout)
     assert seen["hooked"] and seen["script_arg"] == "x"  # the script's own extra args still work
-    assert "bufreuse-megatron: hooked 1 MoE layer(s)" in res.stdout  # the stream-ordered expert buffer is hooked
     assert seen["knobs"]["moe_hybridep_num_expert_output_buffers"] == 2
     assert seen["knobs"]["moe_bufreuse_expert_policy"] == "stream-ordered"
 
@@ -67,36 +61,18 @@ def test_entry_registers_knobs_validates_and_installs() -> None:
     ["--global-batch-size", "16"], "expert_fc2_output=1 (planned for 8 microbatch(es), PP rank 0)")])  # fmt: skip
 def test_entry_auto_ring_starts_at_the_plan_when_the_schedule_is_known(batch: list[str], start: str) -> None:
     auto = ["--moe-hybridep-num-expert-output-buffers", "auto", "--moe-bufreuse-auto-max-mib", "64"]
-    res = _run(
-        [
-            "--megatron-lm",
-            str(FAKE),
-            "--seq-length",
-            "64",
-            "--micro-batch-size",
-            "2",
-            *batch,
-            *auto,
-            "--moe-bufreuse-ring-single-rank-expert",
-        ]
-    )  # fmt: skip  (EP = 1: the expert ring is exercised)
-    assert res.returncode == 0, res.stderr
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+    res = _run([*BASE, *batch, *auto, *EXERCISE])
+    line = _hooked_line(res)
     assert f"num_slots='auto' starts at {start}, cap 64 MiB" in line, line
     assert _seen(res.stdout)["hooked"]
 
 
 def test_entry_says_the_ep1_rings_are_not_used() -> None:
-    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING])
-    assert res.returncode == 0, res.stderr
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+    line = _hooked_line(_run([*BASE, *RING]))
     assert line.startswith("bufreuse-megatron: hooked 0 MoE layer(s); persistent bytes none; not used: "), line
     assert "dispatch_output (EP = 1:" in line and "expert_fc2_output (EP x ETP = 1:" in line, line
     # positive control: the validation knob rings the FC2 output, and the line lists its bytes
-    res = _run(["--megatron-lm", str(FAKE), "--seq-length", "64", "--micro-batch-size", "2", *RING,
-                "--moe-bufreuse-ring-single-rank-expert"])  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("bufreuse-megatron: hooked"))
+    line = _hooked_line(_run([*BASE, *RING, *EXERCISE]))
     assert "dispatch_output=" not in line.split("; not used")[0] and "expert_fc2_output=" in line, line
     assert "not used: dispatch_output (EP = 1:" in line and "expert_fc2_output (" not in line, line
 

@@ -468,7 +468,8 @@ class Installation:
 
     def hooks_any(self, layer: Any) -> bool:
         """Whether any adapter hooks any enabled buffer of ``layer`` (False when all are unused there)."""
-        return any(self.hooks(a, layer, b) for (lid, b), a in self._owners.items() if lid == id(layer))
+        enabled = self.knobs.enabled()
+        return any(lid == id(layer) and b in enabled for lid, b in self._owners)
 
     def hooks(self, adapter: str, layer: Any, buffer: str) -> bool:
         """Whether ``buffer`` is enabled and ``adapter`` hooks it on ``layer``."""

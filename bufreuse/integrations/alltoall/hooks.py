@@ -161,12 +161,6 @@ class AllToAllAdapter:
             _hook_expert(installation, layer, state)
 
 
-def dispatch_in_ring(inst: Installation, layer: Any) -> bool:
-    """Whether ``layer``'s all-to-all dispatch output goes into the dispatch ring (enabled and claimed; install()
-    unclaims the EP = 1 identity unless asked to ring it): then the experts can receive a slot."""
-    return inst.hooks("alltoall", layer, "dispatch")
-
-
 def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     """Write the dispatch all-to-all into a slot; release it after its last forward reader, by fact."""
     import torch

@@ -234,7 +234,7 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     or in debug mode (which checks nothing after FC2 saves its output); an FC2 output the experts copy
     (FP8 unpadding, a bias add) is released by the first hooked combine stage, whose output no longer views it.
     """
-    from bufreuse.integrations.alltoall.hooks import dispatch_in_ring, experts_tracking, hook_fc2_release
+    from bufreuse.integrations.alltoall.hooks import experts_tracking, hook_fc2_release
     from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
 
     experts, pool = layer.experts, inst.pool
@@ -242,7 +242,7 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     queue: deque[Held] = deque()
     te_forward = inst.original(out_route_class(type(fc2)), "forward")  # check() refused a class without one
     route_into_ring(inst, fc2, Fc2Route(pool, EXPERT, int(fc2.out_features), queue, te_forward))
-    if pool.debug or dispatch_in_ring(inst, layer):
+    if pool.debug or inst.hooks("alltoall", layer, "dispatch"):  # a dispatch slot can reach the experts
         inst.override(experts, "forward", experts_tracking(inst, inst.original(experts, "forward"), queue))
     hook_fc2_release(inst, layer, queue)
 
