@@ -87,6 +87,22 @@ def test_hooked_arms_acquire_once_per_microbatch_and_control_not_at_all(json_run
             assert "EP = 1" in r["unused"]["dispatch_output"]
 
 
+def test_as_installed_arm_runs_production_at_ep_1_and_hooks_nothing() -> None:
+    result = runner.invoke(app, ["bench", "layer", *FAST, "--policies", "ring,as-installed", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    per_round = (STEPS + 1) * MB
+    rounds = {arm: [r for r in data["rounds"] if r["arm"] == arm] for arm in ("ring", "as-installed")}
+    # positive control: the ring arm (the expert ring exercised at EP = 1) acquires every forward, and its hooks
+    # take host time; the production rule uses no ring at EP x ETP = 1: nothing acquired, no hook entered
+    assert all(r["acquisitions"] == {"expert_fc2_output": per_round} for r in rounds["ring"])
+    assert all(r["acquisitions"] == {} for r in rounds["as-installed"])
+    assert all(set(r["unused"]) == {"dispatch_output", "expert_fc2_output"} for r in rounds["as-installed"])
+    hooks = data["hook_time"]["arms"]
+    assert hooks["ring"]["entries_per_layer_call"] > 0 and hooks["ring"]["us"] > 0
+    assert hooks["as-installed"]["entries_per_layer_call"] == 0 and hooks["as-installed"]["us"] == 0
+
+
 def test_ratios_and_verdicts_follow_from_the_rounds(json_run) -> None:
     data, _ = json_run
     measured = [r for r in data["rounds"] if not r["warmup"]]

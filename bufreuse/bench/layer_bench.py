@@ -104,6 +104,9 @@ class LayerBenchConfig:
     schedule: str = "interleaved"
     """``sequential`` (F0 B0 F1 B1 ...) or ``interleaved`` (F0 F1 B0 F2 B1 ... : two in flight)."""
     policies: tuple[str, ...] = ("ring",)
+    """Arms against the control: the pool policies (the expert ring exercised at EP = 1, as where it is used),
+    and ``as-installed``: the ring policy under ``install()``'s production rule, which uses no ring at EP x ETP
+    = 1 (what a user's EP = 1 run gets)."""
     slots: int = 3
     """Ring slots of the dispatch and expert rings (``ring`` policy)."""
     band_pct: float = 1.0
@@ -186,9 +189,9 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
         raise InputError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.profile:
         _check_profiler()
-    bad = [p for p in cfg.policies if p not in POLICIES]
+    bad = [p for p in cfg.policies if p not in ARMS]
     if bad or not cfg.policies or len(set(cfg.policies)) != len(cfg.policies):
-        raise InputError(f"--policies: a comma list of distinct {', '.join(POLICIES)}, got {','.join(cfg.policies)!r}")
+        raise InputError(f"--policies: a comma list of distinct {', '.join(ARMS)}, got {','.join(cfg.policies)!r}")
     for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots", "hook_rounds"):
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -352,6 +355,11 @@ def _forward_fn(layer: Any, cfg: LayerBenchConfig, device: torch.device) -> Call
     return cpu_forward
 
 
+AS_INSTALLED = "as-installed"
+"""The arm running ``install()`` as production does at EP = 1 (no validation knob): the ring policy, unused there."""
+ARMS = (*POLICIES, AS_INSTALLED)
+
+
 def _knobs(policy: str, slots: int) -> BufReuseConfig:
     return BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True,
@@ -383,10 +391,11 @@ def _installed(
         inst = install(
             layer,
             BufferPool(device, debug=False),
-            _knobs(arm, cfg.slots),
+            _knobs("ring" if arm == AS_INSTALLED else arm, cfg.slots),
             tokens=cfg.tokens,
             num_microbatches=cfg.microbatches,
-            ring_single_rank_expert=True,  # EP x ETP = 1 leaves the expert ring unused; measure it as where it is used
+            # EP x ETP = 1 leaves the expert ring unused: measure it as where it is used, but as-installed
+            ring_single_rank_expert=arm != AS_INSTALLED,
         )
     try:
         yield inst

@@ -113,7 +113,11 @@ def layer(
         str, typer.Option(help="sequential (F0 B0 F1 B1 ...) or interleaved (F0 F1 B0 F2 B1 ... B3).")
     ] = "interleaved",
     policies: Annotated[
-        str, typer.Option(help="Comma list of arms against the control: ring, stream-ordered, record-stream.")
+        str,
+        typer.Option(
+            help="Comma list of arms against the control: ring, stream-ordered, record-stream (the expert ring "
+            "exercised at EP = 1), as-installed (install()'s production rule: no ring at EP x ETP = 1)."
+        ),
     ] = "ring",
     slots: Annotated[int, typer.Option(help="Slots of the dispatch and expert rings.")] = 3,
     pad: Annotated[

@@ -35,7 +35,8 @@ def _title(result: dict[str, Any]) -> str:
         f"{c['microbatches']} microbatches × {c['steps']} per round; {result['config']['rounds']} rounds per arm "
         f"(A B B A, {c['warmup']} warm-up dropped); {where}, torch {env['torch']}, megatron-core {env['megatron_core']}"
         + (f", TE {env['transformer_engine']}" if c["spec"] == "te" else "")
-        + "; EP = 1: the expert ring is exercised as where it is used (production uses no ring at EP × ETP = 1)"
+        + "; EP = 1: the policy arms exercise the expert ring as where it is used (production, the as-installed "
+        "arm, uses no ring at EP × ETP = 1)"
     )
 
 
