@@ -11,6 +11,7 @@
 #                                               # Megatron-LM A/B rounds ROUND_FROM..ROUND_TO (default families
 #                                               # gb-te-pad gb-te-graph), ITERS=60 per run, logs tarred
 # Compare locally afterwards: OUT=<untarred logs> ROUNDS=R WARMUP=10 bash scripts/megatron-ab.sh --compare-only F...
+# and pool sessions: python3 scripts/megatron_ab_summary.py --family F --pool DIR1 DIR2 ...
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-out}
@@ -112,7 +113,7 @@ case $stage in
       done
     done
     ;;
-  *) sed -n '2,12p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac
 log "done; tarring"
 tar -czf "$OUT/$stage-$(date -u +%H%M%S).tar.gz" -C "$work" .

@@ -25,6 +25,9 @@
 #   F-losses-drift.{txt,json}  F-control-1 vs the last control's losses (TE is not bit-reproducible)
 #   F-summary.json        scripts/megatron_ab_summary.py: per round each arm's median step time and the ratio,
 #                         the verdicts and intervals, the drift figures (machine-readable)
+# Rounds of several calls or sessions (one --compare-only folder each) pool into one between-rounds interval:
+#   python3 scripts/megatron_ab_summary.py --family F --pool DIR1 DIR2 ... [--json F-pooled.json]
+# (refused unless every control run, and every rings run, logged the same command)
 # Exit status: 0 when every command ran (whatever the verdicts or loss differences), 1 when a run or a
 # comparison failed (a run that exits non-zero or times out, a log compare cannot read, a budget-skipped run).
 set -uo pipefail

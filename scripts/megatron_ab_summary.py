@@ -2,6 +2,7 @@
 """One machine-readable summary of a family's interleaved Megatron-LM A/B rounds (scripts/megatron-ab.sh).
 
 Usage: ``python3 scripts/megatron_ab_summary.py --out DIR --family F --rounds R [--json F-summary.json]``
+       ``python3 scripts/megatron_ab_summary.py --pool DIR [DIR...] --family F [--json F-pooled.json]``
 
 Reads what megatron-ab.sh wrote into DIR (``bufreuse compare --json`` outputs ``F-roundK.json``, ``F-ab.json``,
 ``F-driftK.json``, ``F-drift.json``; ``compare_losses.py``'s ``F-losses.json``, ``F-losses-drift.json``;
@@ -20,7 +21,15 @@ Reads what megatron-ab.sh wrote into DIR (``bufreuse compare --json`` outputs ``
 - losses: the largest |Δ lm loss| control vs rings per round beside the control-vs-control one.
 
 Prints a short text summary; with ``--json`` also writes the summary there (atomically).
-Exit status: 0 on success, 2 when an input is missing or unreadable.
+
+``--pool DIR...`` pools one family's rounds from several calls or device sessions (each DIR holds the
+``F-summary.json`` and run logs a ``--compare-only`` left): resolving ±1% takes more processes per arm than
+one session holds. Each round is a paired ratio, so rounds from other machines of the same kind pool; the
+pool refuses (exit 2) unless every control run, and every rings run, logged the same command (run name and
+master port aside) and every round dropped the same warm-up. It gives each session's between-rounds
+interval and the pooled one.
+
+Exit status: 0 on success, 2 when an input is missing or unreadable, or runs that cannot pool.
 """
 
 from __future__ import annotations
@@ -260,15 +269,136 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_command(log: Path) -> list[str]:
+    """A run's command as megatron-ab.sh logged it (the log's first line), without its run name and master port."""
+    try:
+        with log.open() as f:
+            first = f.readline()
+    except OSError as e:
+        raise SummaryError(f"{log}: {e}") from e
+    if not first.startswith("== ") or ": " not in first:
+        raise SummaryError(f"{log}: its first line is not the command megatron-ab.sh logs ('== NAME: COMMAND')")
+    words = first.split(": ", 1)[1].split()
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--master-port":
+            skip = True
+        else:
+            out.append(w)
+    return out
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"word {i + 1}: {x!r} vs {y!r}"
+    return f"one command is longer ({len(a)} vs {len(b)} words)"
+
+
+def pool(dirs: list[Path], family: str) -> dict[str, Any]:
+    """One family's rounds from several ``--compare-only`` folders: each session's and the pooled interval.
+
+    Refuses (``SummaryError``) runs that cannot pool: another family or metric, another band, a control (or
+    rings) run whose command differs from the first one's, or rounds that dropped another warm-up (their
+    sample counts differ).
+    """
+    if not dirs:
+        raise SummaryError("--pool needs at least one folder")
+    first: dict[str, tuple[list[str], Path]] = {}
+    samples: tuple[Any, Path] | None = None
+    sessions, ratios, band = [], [], None
+    for d in dirs:
+        s = _load(d / f"{family}-summary.json")
+        if s.get("family") != family or s.get("metric") != METRIC:
+            raise SummaryError(
+                f"{d}: a summary of {s.get('family')!r} by {s.get('metric')!r}, not {family!r} by {METRIC}"
+            )
+        rounds = s.get("per_round") or []
+        if not rounds:
+            raise SummaryError(f"{d}: {family}-summary.json has no round")
+        if band is None:
+            band = s["band_pct"]
+        elif abs(s["band_pct"] - band) > 1e-9:
+            raise SummaryError(f"{d}: band ±{s['band_pct']}%, the first folder's is ±{band}%")
+        for r in rounds:
+            for arm in ("control", "rings"):
+                log = d / f"{family}-{arm}-{r['round']}.log"
+                cmd = run_command(log)
+                ref = first.setdefault(arm, (cmd, log))
+                if cmd != ref[0]:
+                    raise SummaryError(
+                        f"{log} ran another command than {ref[1]} ({_first_difference(ref[0], cmd)}): not the same A/B"
+                    )
+            if samples is None:
+                samples = (r["n"], d)
+            elif r["n"] != samples[0]:
+                raise SummaryError(
+                    f"{d}: round {r['round']} compared {r['n']} iterations, {samples[1]} {samples[0]}: "
+                    "another warm-up or run length"
+                )
+        rs = [r["ratio"] for r in rounds]
+        ratios += rs
+        sessions.append(
+            {
+                "out": str(d),
+                "rounds": len(rs),
+                "ratios": rs,
+                "between_rounds": between_rounds(rs, band),
+                "drift_max_abs_pct": (s.get("drift") or {}).get("max_abs_pct"),
+            }
+        )
+    drifts = [x["drift_max_abs_pct"] for x in sessions if x["drift_max_abs_pct"] is not None]
+    return {
+        "family": family,
+        "metric": METRIC,
+        "band_pct": band,
+        "sessions": sessions,
+        "rounds": len(ratios),
+        "ratios": ratios,
+        "between_rounds": between_rounds(ratios, band),
+        "drift_max_abs_pct": max(drifts, default=None),
+        "command": {arm: " ".join(cmd) for arm, (cmd, _) in first.items()},
+    }
+
+
+def render_pool(p: dict[str, Any]) -> str:
+    """Each session's between-rounds interval, then the pooled one."""
+
+    def line(b: dict[str, Any]) -> str:
+        lo, hi = b["ci95_pct"]
+        ci = "n/a (fewer than 3 rounds)" if lo is None else f"[{lo:+.2f}%, {hi:+.2f}%]"
+        g = b["ratio_geomean"]
+        return f"geometric mean {g:.4f} ({(g - 1) * 100:+.2f}%), CI95 {ci}, {b['verdict']}"
+
+    lines = [f"{p['family']}: step time median, rings / control, band ±{p['band_pct']:.2f}%, pooled over folders"]
+    for s in p["sessions"]:
+        drift = "n/a" if s["drift_max_abs_pct"] is None else f"{s['drift_max_abs_pct']:.2f}%"
+        lines.append(f"  {s['out']}: {s['rounds']} round(s), {line(s['between_rounds'])}; control drift max |{drift}|")
+    lines.append(f"  pooled, {p['rounds']} rounds: {line(p['between_rounds'])}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder megatron-ab.sh wrote into")
+    parser.add_argument("--out", type=Path, default=None, help="folder megatron-ab.sh wrote into")
     parser.add_argument("--family", required=True)
-    parser.add_argument("--rounds", type=int, required=True, help="complete rounds to read")
+    parser.add_argument("--rounds", type=int, default=None, help="complete rounds to read")
+    parser.add_argument("--pool", type=Path, nargs="+", default=None, metavar="DIR", help="pool these folders' rounds")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = parser.parse_args(argv)
     try:
-        summary = summarize(args.out, args.family, args.rounds)
+        if args.pool is not None:
+            if args.out is not None or args.rounds is not None:
+                raise SummaryError("--pool reads each folder's F-summary.json: no --out or --rounds with it")
+            summary = pool(args.pool, args.family)
+            text = render_pool(summary)
+        else:
+            if args.out is None or args.rounds is None:
+                raise SummaryError("--out and --rounds are needed (or --pool DIR...)")
+            summary = summarize(args.out, args.family, args.rounds)
+            text = render(summary)
     except SummaryError as e:
         print(f"megatron_ab_summary: error: {e}", file=sys.stderr)
         return 2
@@ -277,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         from bufreuse.fsutil import atomic_write_json
 
         atomic_write_json(args.json, summary)
-    print(render(summary))
+    print(text)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -204,3 +205,85 @@ def test_between_rounds_interval() -> None:
     )
     two = summ.between_rounds([1.0, 1.0], 1.0)
     assert two["ci95_pct"] == [None, None] and two["verdict"] == "inconclusive"
+
+
+SESSIONS = [ROOT / "examples" / "megatron-h200" / d for d in ("h200-2026-12-04", "h200-2026-12-04-pm")]
+
+
+def _ratios_from_compare(out: Path, family: str) -> list[float]:
+    """Each round's rings / control step-time median, read straight from `bufreuse compare --json` (F-roundK.json)."""
+    ratios, k = [], 1
+    while (out / f"{family}-round{k}.json").is_file():
+        data = json.loads((out / f"{family}-round{k}.json").read_text())
+        m = next(m for m in data["comparisons"][0]["metrics"] if m["metric"] == "step_ms_median")
+        ratios.append(m["value"] / m["baseline"])
+        k += 1
+    return ratios
+
+
+@pytest.mark.parametrize(
+    ("family", "t95", "verdict"),
+    [("gb4-te-pad", 2.306, "parity"), ("gb4-te-fp8-pad", 2.447, "inconclusive")],  # t quantiles, df 8 and 6
+)
+def test_pool_of_two_recorded_sessions(tmp_path: Path, family: str, t95: float, verdict: str) -> None:
+    assert summ.main(["--family", family, "--pool", *map(str, SESSIONS), "--json", str(tmp_path / "p.json")]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    ratios = [r for d in SESSIONS for r in _ratios_from_compare(d, family)]
+    assert p["ratios"] == pytest.approx(ratios) and p["rounds"] == len(ratios) == sum(
+        s["rounds"] for s in p["sessions"]
+    )
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = t95 * sd / math.sqrt(len(logs))
+    b = p["between_rounds"]
+    assert b["ratio_geomean"] == pytest.approx(math.exp(mean))
+    assert b["ci95_pct"] == pytest.approx([(math.exp(mean - half) - 1) * 100, (math.exp(mean + half) - 1) * 100])
+    assert b["verdict"] == verdict
+    assert all(s["between_rounds"]["verdict"] == "inconclusive" for s in p["sessions"])  # neither session alone
+
+
+def _session_copy(src: Path, dst: Path, family: str) -> Path:
+    dst.mkdir()
+    for f in src.glob(f"{family}-*"):
+        if f.name.endswith(".log") or f.name == f"{family}-summary.json":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _edit_first_line(log: Path, old: str, new: str) -> None:
+    first, rest = log.read_text().split("\n", 1)
+    assert old in first
+    log.write_text(first.replace(old, new) + "\n" + rest)
+
+
+def test_pool_refuses_runs_of_another_command(tmp_path: Path, capsys) -> None:
+    fam = "gb4-te-pad"
+    a = _session_copy(SESSIONS[0], tmp_path / "a", fam)
+    b = _session_copy(SESSIONS[1], tmp_path / "b", fam)
+    _edit_first_line(b / f"{fam}-control-2.log", "--master-port 29533", "--master-port 29999")
+    assert summ.main(["--family", fam, "--pool", str(a), str(b)]) == 0  # positive control; the port is no matter
+    _edit_first_line(
+        b / f"{fam}-rings-3.log",
+        "--moe-hybridep-num-expert-output-buffers 1",
+        "--moe-hybridep-num-expert-output-buffers 2",
+    )
+    assert summ.main(["--family", fam, "--pool", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert f"{fam}-rings-3.log ran another command" in err and "'1' vs '2'" in err
+
+
+def test_pool_refuses_another_warmup_and_bad_arguments(tmp_path: Path, capsys) -> None:
+    fam = "gb4-te-pad"
+    a = _session_copy(SESSIONS[0], tmp_path / "a", fam)
+    b = _session_copy(SESSIONS[1], tmp_path / "b", fam)
+    s = json.loads((b / f"{fam}-summary.json").read_text())
+    s["per_round"][1]["n"] = [35, 35]  # WARMUP=5 instead of 10
+    (b / f"{fam}-summary.json").write_text(json.dumps(s))
+    assert summ.main(["--family", fam, "--pool", str(a), str(b)]) == 2
+    assert "round 2 compared [35, 35] iterations" in capsys.readouterr().err
+    assert summ.main(["--family", fam, "--pool", str(a), "--rounds", "3"]) == 2
+    assert "no --out or --rounds" in capsys.readouterr().err
+    (a / f"{fam}-rings-1.log").unlink()
+    assert summ.main(["--family", fam, "--pool", str(a)]) == 2
+    assert f"{fam}-rings-1.log" in capsys.readouterr().err
