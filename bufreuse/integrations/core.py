@@ -456,6 +456,16 @@ class Installation:
     _checked: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list)
     _owners: dict[tuple[int, str], str] = field(default_factory=dict)
+    _configs: dict[int, Any] = field(default_factory=dict)
+
+    def use_config(self, layer: Any, cfg: Any) -> None:
+        """Decide ``layer``'s rules and bounds on ``cfg`` instead of ``layer.config`` (``install`` passes the
+        config with the EP / expert-TP sizes the layer's dispatcher really uses, where they differ)."""
+        self._configs[id(layer)] = cfg
+
+    def config_of(self, layer: Any) -> Any:
+        """The config the rings' rule, bounds, refusals and release rules read for ``layer`` (:meth:`use_config`)."""
+        return self._configs.get(id(layer), layer.config)
 
     def claim(self, layer: Any, buffer: str, adapter: str) -> None:
         """Record that ``adapter`` hooks ``buffer`` of ``layer`` (``install`` decides, adapters ask)."""
@@ -586,9 +596,9 @@ class Installation:
     def expect(self, layer: Any, path: str, cfg: Any = None) -> None:
         """Record the release rule of each buffer hooked on ``layer`` (``install`` calls it per layer).
 
-        ``cfg``: the config the rules read (default: ``layer.config`` as :func:`effective_config` sees it).
+        ``cfg``: the config the rules read (default: :meth:`config_of` as :func:`effective_config` sees it).
         """
-        cfg = effective_config(layer.config) if cfg is None else cfg
+        cfg = effective_config(self.config_of(layer)) if cfg is None else cfg
         for buffer in ("dispatch", "expert"):
             if buffer not in self.knobs.enabled() or (id(layer), buffer) not in self._owners:
                 continue

@@ -23,16 +23,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from bufreuse.config import BufReuseConfig, dispatch_path, unused_rings
+from bufreuse.config import BufReuseConfig, dispatch_path, expert_tp, unused_rings
 from bufreuse.errors import ConfigError
 from bufreuse.integrations.core import (
     KNOBS,
+    ConfigView,
     Installation,
     PathAdapter,
     active_installations,
+    cfg_get,
     effective_config,
     install_refusals,
     shared_patch,
@@ -46,9 +49,77 @@ if TYPE_CHECKING:
 
     from bufreuse.pool import BufferPool
 
-__all__ = ["Installation", "install", "installed"]
+__all__ = ["GroupSizes", "Installation", "group_sizes", "install", "installed"]
 
 _MARK = "_bufreuse_hooked"
+_log = logging.getLogger("bufreuse.integrations")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupSizes:
+    """The EP and expert-TP sizes a MoE layer's rings are decided on, where they came from, and the config's.
+
+    megatron-core's token dispatcher takes its groups from the layer's ``pg_collection`` (``ep``,
+    ``expt_tp``), which a caller may build apart from the config's parallel fields; the groups decide
+    whether the all-to-all returns its input (EP = 1) and whether the combine reduces expert-TP shards.
+    """
+
+    ep: int
+    etp: int
+    source: str
+    """``dispatcher``, ``config``, or which size came from which where the dispatcher exposes only one."""
+    config_ep: int
+    config_etp: int
+
+    def disagreement(self) -> str | None:
+        """The mismatch with the config's fields in words, naming both; None when they agree."""
+        if (self.ep, self.etp) == (self.config_ep, self.config_etp):
+            return None
+        return (
+            f"the MoE token dispatcher's groups are EP {self.ep} x expert TP {self.etp} ({self.source}) but the "
+            f"config says expert_model_parallel_size={self.config_ep}, expert TP {self.config_etp} "
+            "(expert_tensor_parallel_size, else tensor_model_parallel_size); deciding the rings, bounds and "
+            "release rules on the dispatcher's (a custom pg_collection)"
+        )
+
+    def fields(self, cfg: Any) -> Any:
+        """``cfg`` with its EP / expert-TP fields set to these sizes (``cfg`` itself when they agree)."""
+        if self.disagreement() is None:
+            return cfg
+        return ConfigView(cfg, expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
+
+
+def _group_size(dispatcher: Any, attr: str) -> int | None:
+    """A positive integer group size the dispatcher holds as ``attr``, else None (absent on this version)."""
+    value = getattr(dispatcher, attr, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def group_sizes(layer: Any) -> GroupSizes:
+    """EP and expert-TP sizes of ``layer`` by fact: its token dispatcher's, each from the config where absent.
+
+    megatron-core 0.19.2 (and 0.16.1) ``MoETokenDispatcher.__init__`` sets ``ep_size`` from
+    ``pg_collection.ep`` and ``tp_size`` from ``pg_collection.expt_tp`` (the expert-TP group), the
+    sizes its all-to-all and combine run on. A dispatcher without them (another megatron-core) falls
+    back to ``expert_model_parallel_size`` and :func:`bufreuse.config.expert_tp`. Read once, at install.
+    """
+    cfg = layer.config
+    config_ep, config_etp = int(cfg_get(cfg, "expert_model_parallel_size", 1) or 1), expert_tp(cfg)
+    dispatcher = getattr(layer, "token_dispatcher", None)
+    ep, etp = _group_size(dispatcher, "ep_size"), _group_size(dispatcher, "tp_size")
+    if ep is not None and etp is not None:
+        source = "dispatcher"
+    elif ep is None and etp is None:
+        source = "config"
+    else:
+        source = "EP: dispatcher, expert TP: config" if ep is not None else "EP: config, expert TP: dispatcher"
+    return GroupSizes(
+        ep=config_ep if ep is None else ep,
+        etp=config_etp if etp is None else etp,
+        source=source,
+        config_ep=config_ep,
+        config_etp=config_etp,
+    )
 
 
 def install(
@@ -70,6 +141,11 @@ def install(
     schedule the layers are installed into (:func:`bufreuse.integrations.planned.check_depths`: pipeline
     kind, PP/VPP rank, ``num_microbatches``, MoE layers per chunk, release rules) before anything is
     hooked.
+
+    Each layer is decided on the EP and expert-TP sizes its token dispatcher really uses
+    (:func:`group_sizes`; a custom ``pg_collection`` may differ from the config's fields, which are the
+    fallback): which rings replace nothing (:func:`bufreuse.config.unused_rings`), the static bounds, the
+    refusals and the release rules; a disagreement with the config is logged once as a warning.
 
     Run :func:`bufreuse.integrations.requirements.validate` first: it names every unmet setting at
     once, where ``install`` refuses at the first layer it cannot hook.
@@ -129,22 +205,24 @@ def install(
             f"found {sorted(set(bad))} (set moe_token_dispatcher_type='alltoall', or 'flex' with "
             "moe_flex_dispatcher_backend='hybridep')"
         )
+    _decide_group_sizes(inst, layers)
     ring_slots = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
     for layer, _ in plans:  # buffers that replace nothing on this layer: no ring, no hooks, nothing to plan
-        for buffer, why in unused_rings(layer.config, knobs, dispatch_path(layer.config)).items():
+        cfg = inst.config_of(layer)
+        for buffer, why in unused_rings(cfg, knobs, dispatch_path(cfg)).items():
             inst.unclaim(layer, buffer, why)
             ring_slots.pop(buffer, None)
     if layers and ring_slots:
         _refuse_scheduled_release(layers[0].config)
         chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
-        fields = effective_config(layers[0].config)
+        fields = effective_config(inst.config_of(layers[0]))
         check_depths(inst, fields, chunk_layers, knobs_slots=ring_slots, knob_names=KNOBS)
     inst.activate()
     inst.on_uninstall(functools.partial(_forget_plan, inst))
     try:
         for layer, chosen in plans:
             path = next(a.path for a in chosen if a.dispatcher)
-            problems = install_refusals(layer.config, knobs, path)
+            problems = install_refusals(inst.config_of(layer), knobs, path)
             problems += [p for a in chosen for p in a.check(inst, layer)]
             if problems:
                 label = next(a.label for a in chosen if a.dispatcher)
@@ -190,6 +268,25 @@ def installed(
         yield inst
     finally:
         inst.uninstall()
+
+
+def _decide_group_sizes(inst: Installation, layers: list[Any]) -> None:
+    """Decide each layer on its dispatcher's EP / expert-TP sizes (:func:`group_sizes`); warn once per mismatch.
+
+    A layer whose sizes agree with its config keeps ``layer.config``; one that disagrees gets a view of it
+    with those two fields replaced (``Installation.config_of``), which the unused-ring rule, the refusals,
+    the static bounds and the release rules then read.
+    """
+    warned: set[str] = set()
+    for layer in layers:
+        sizes = group_sizes(layer)
+        why = sizes.disagreement()
+        if why is None:
+            continue
+        inst.use_config(layer, sizes.fields(layer.config))
+        if why not in warned:
+            warned.add(why)
+            _log.warning("bufreuse: %s", why)
 
 
 def _refuse_scheduled_release(cfg: Any) -> None:

@@ -151,9 +151,10 @@ class AllToAllAdapter:
         knobs = installation.knobs
         dtype = getattr(layer.config, "params_dtype", torch.float32)
         mine = [b for b in ("dispatch", "expert") if installation.hooks(self.name, layer, b)]  # install() unclaims
-        bounds = static_bounds(layer.config, knobs, path="alltoall", tokens=installation.tokens)
+        cfg = installation.config_of(layer)  # the EP / expert-TP sizes the dispatcher really uses
+        bounds = static_bounds(cfg, knobs, path="alltoall", tokens=installation.tokens)
         for buf in mine:
-            installation.register(buf, bounds[buf], dtype, layer.config)
+            installation.register(buf, bounds[buf], dtype, cfg)
         state = _LayerState()
         if "dispatch" in mine:
             _hook_dispatch(installation, layer, state)

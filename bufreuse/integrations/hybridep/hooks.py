@@ -134,7 +134,7 @@ class HybridEPAdapter:
         from bufreuse.integrations.hybridep.output_token import require_output_token
 
         knobs, cfg = installation.knobs, layer.config
-        bounds = static_bounds(cfg, knobs, path="hybridep", tokens=installation.tokens)
+        bounds = static_bounds(installation.config_of(layer), knobs, path="hybridep", tokens=installation.tokens)
         problems = [
             f"no static HybridEP output bound for '{b.buffer}': {b.source}" for b in bounds.values() if not b.rows
         ]
@@ -158,10 +158,9 @@ class HybridEPAdapter:
 
         if "dispatch" not in installation.knobs.enabled():
             return
-        bounds = static_bounds(layer.config, installation.knobs, path="hybridep", tokens=installation.tokens)
-        installation.register(
-            "dispatch", bounds["dispatch"], getattr(layer.config, "params_dtype", torch.float32), layer.config
-        )
+        cfg = installation.config_of(layer)  # the EP / expert-TP sizes the dispatcher really uses
+        bounds = static_bounds(cfg, installation.knobs, path="hybridep", tokens=installation.tokens)
+        installation.register("dispatch", bounds["dispatch"], getattr(layer.config, "params_dtype", torch.float32), cfg)
         _inject(installation, fused_a2a)
         _hook_dispatch(installation, layer)
 

@@ -133,11 +133,11 @@ class TEGroupedAdapter:
 
         if not installation.hooks(self.name, layer, "expert"):
             return
-        cfg = layer.config
+        cfg = installation.config_of(layer)  # the EP / expert-TP sizes the dispatcher really uses
         path = "hybridep" if is_hybridep_layer(layer) else "alltoall"
         bound = static_bounds(cfg, installation.knobs, path=path, tokens=installation.tokens)["expert"]
         fused = path == "hybridep" or te_fused_impl(layer.experts)  # FP8 pad rows: in the bound (config)
-        installation.register("expert", bound, getattr(cfg, "params_dtype", torch.float32), cfg)
+        installation.register("expert", bound, getattr(layer.config, "params_dtype", torch.float32), cfg)
         if path == "hybridep":
             _hook_fused_hybridep(installation, layer)
         elif fused:
