@@ -239,6 +239,12 @@ def _losses(out: Path, family: str) -> dict[str, Any]:
     return result
 
 
+def _ci_text(b: dict[str, Any]) -> str:
+    """A :func:`between_rounds` interval as printed."""
+    lo, hi = b["ci95_pct"]
+    return "n/a (fewer than 3 rounds)" if lo is None else f"[{lo:+.2f}%, {hi:+.2f}%]"
+
+
 def render(summary: dict[str, Any]) -> str:
     """A few lines for the console: each round, the overall verdict, the drift."""
     lines = [f"{summary['family']}: step time median, rings / control, band ±{summary['band_pct']:.2f}%"]
@@ -257,9 +263,7 @@ def render(summary: dict[str, Any]) -> str:
         f"{o['every_round_ci_inside_band']}"
     )
     b = o["between_rounds"]
-    lo, hi = b["ci95_pct"]
-    ci = "n/a (fewer than 3 rounds)" if lo is None else f"[{lo:+.2f}%, {hi:+.2f}%]"
-    lines.append(f"  between rounds: geometric mean {b['ratio_geomean']:.4f}, CI95 {ci}, {b['verdict']}")
+    lines.append(f"  between rounds: geometric mean {b['ratio_geomean']:.4f}, CI95 {_ci_text(b)}, {b['verdict']}")
     d = summary["drift"]
     rows = list(d["neighbouring_controls"])
     if summary["rounds"] > 2:  # with two rounds the first-vs-last pair is the one neighbouring pair
@@ -367,10 +371,8 @@ def render_pool(p: dict[str, Any]) -> str:
     """Each session's between-rounds interval, then the pooled one."""
 
     def line(b: dict[str, Any]) -> str:
-        lo, hi = b["ci95_pct"]
-        ci = "n/a (fewer than 3 rounds)" if lo is None else f"[{lo:+.2f}%, {hi:+.2f}%]"
         g = b["ratio_geomean"]
-        return f"geometric mean {g:.4f} ({(g - 1) * 100:+.2f}%), CI95 {ci}, {b['verdict']}"
+        return f"geometric mean {g:.4f} ({(g - 1) * 100:+.2f}%), CI95 {_ci_text(b)}, {b['verdict']}"
 
     lines = [f"{p['family']}: step time median, rings / control, band ±{p['band_pct']:.2f}%, pooled over folders"]
     for s in p["sessions"]:

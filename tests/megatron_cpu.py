@@ -28,6 +28,23 @@ def single_process_model_parallel() -> Iterator[None]:
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def cpu_moe_parallel() -> Iterator[None]:
+    """:func:`single_process_model_parallel`, with megatron's all-to-all dispatcher built without a CUDA stream.
+
+    ``MoEAlltoAllTokenDispatcher`` creates a device-to-host stream at construction; pad mode never uses it.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    with single_process_model_parallel():
+        old = D.cuda_dtoh_stream
+        D.cuda_dtoh_stream = object()
+        try:
+            yield
+        finally:
+            D.cuda_dtoh_stream = old
+
+
 def install_exercising_rings(*args, **kwargs):
     """``install()`` with both rings in use at EP = 1 (``ring_identity_dispatch`` and ``ring_single_rank_expert``).
 

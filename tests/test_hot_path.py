@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import install_exercising_rings, single_process_model_parallel
+from megatron_cpu import cpu_moe_parallel, install_exercising_rings
 
 from bufreuse.config import BufReuseConfig, identity_dispatch, single_rank_expert, static_bounds, unused_rings
 from bufreuse.errors import BackendContractError
@@ -38,13 +38,8 @@ def install(*args, ring_identity_dispatch: bool = False, **kwargs):
 
 @pytest.fixture(scope="module")
 def parallel():
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
-
-    with single_process_model_parallel():
-        old = D.cuda_dtoh_stream
-        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+    with cpu_moe_parallel():
         yield
-        D.cuda_dtoh_stream = old
 
 
 def _layer(num_experts: int = 8, deterministic: bool = False):

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from megatron_cpu import cpu_moe_parallel  # noqa: E402
 from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
-from megatron_cpu import single_process_model_parallel  # noqa: E402
 
 from bufreuse.config import BufReuseConfig, load_megatron_file  # noqa: E402
 from bufreuse.errors import ConfigError  # noqa: E402
@@ -38,13 +38,8 @@ ISSUE_ARGS = """\
 
 @pytest.fixture(scope="module")
 def parallel():
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
-
-    with single_process_model_parallel():
-        old = D.cuda_dtoh_stream
-        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+    with cpu_moe_parallel():
         yield
-        D.cuda_dtoh_stream = old
 
 
 def _model():

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import single_process_model_parallel
+from megatron_cpu import cpu_moe_parallel
 
 from bufreuse.config import BufReuseConfig, static_bounds
 from bufreuse.integrations.core import DISPATCH, EXPERT
@@ -29,13 +29,8 @@ TOKENS = SEQ * MBS
 
 @pytest.fixture(scope="module")
 def parallel():
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
-
-    with single_process_model_parallel():
-        old = D.cuda_dtoh_stream
-        D.cuda_dtoh_stream = object()  # construction would create a CUDA stream; unused in pad mode
+    with cpu_moe_parallel():
         yield
-        D.cuda_dtoh_stream = old
 
 
 def _layer():
