@@ -4,7 +4,8 @@
 # are staged (scripts/device-te.sh); carry [".te-device/w", ".whl", ".mlm", ".deepep"] as the stage needs.
 #
 #   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
-#   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8)
+#   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8);
+#                                               # ROUNDS (10), HOOK_ROUNDS, PROFILE=0 (no --profile) tune it
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
@@ -24,7 +25,8 @@ t0=$SECONDS
 log() { echo "== $(date -u +%H:%M:%S) (+$((SECONDS - t0)) s) $*" | tee -a "$work/timeline.txt"; }
 
 te_env() {
-  bash scripts/device-te.sh install >"$work/te-install.log" 2>&1 || log "TE install failed (see te-install.log)"
+  # .txt, not .log: the A/B folders go to examples/ whole, where every *.log is read as a Megatron run
+  bash scripts/device-te.sh install >"$work/te-install.txt" 2>&1 || log "TE install failed (see te-install.txt)"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} BUFREUSE_REQUIRE_TE=1
   # shellcheck source=scripts/device-env.sh
   source scripts/device-env.sh
@@ -79,14 +81,19 @@ case $stage in
     # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;
     # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method
     te_env
-    for name in "$@"; do
-      py=(python3); n=$name
+    declare -A seen=()
+    for arg in "$@"; do
+      # a repeated NAME (A B B A order) gets -2, -3 ... on its outputs instead of overwriting the first run's
+      seen[$arg]=$(( ${seen[$arg]:-0} + 1 ))
+      name=$arg; [ "${seen[$arg]}" -gt 1 ] && name=$arg-${seen[$arg]}
+      py=(python3); n=$arg
       # -P: the working directory (this checkout) does not shadow .old on sys.path
       if [[ $n == old-* ]]; then py=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH" python3 -P); n=${n#old-}; fi
       IFS=- read -r preset routing precision <<<"$n"
       args=(--preset "$preset-bound" --spec te --precision "$precision" --rounds "${ROUNDS:-10}")
       [ "$routing" = pad ] && args+=(--pad)
-      [ "$preset" = host ] && args+=(--profile)
+      [ "$preset" = host ] && [ "${PROFILE:-1}" = 1 ] && args+=(--profile)
+      [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"

@@ -49,6 +49,17 @@ def test_clock_charges_a_hooks_own_time_and_not_the_originals_it_calls() -> None
     assert full.hook_ns / 1e3 >= 4 * WAIT_US
 
 
+def test_a_stand_in_is_charged_its_frame_and_not_the_original_it_calls() -> None:
+    clock = HookClock(empty=True)
+    stand_in = clock.stand_in(clock.original(lambda x: (_spin(3 * WAIT_US), x)[1]))
+    assert stand_in(7) == 7 and clock.entries == 1 and clock.originals == 1
+    assert clock.hook_ns / 1e3 < WAIT_US / 4  # the original's wait is not charged
+    # positive control: the same frame as a hook doing the wait itself is charged the wait
+    real = HookClock()
+    real.hook(lambda x: (_spin(3 * WAIT_US), x)[1])(7)
+    assert real.hook_ns / 1e3 >= 3 * WAIT_US
+
+
 def test_calibration_is_the_clocks_cost_of_an_empty_hook() -> None:
     bias = calibrate(repeats=2000)
     assert 0 < bias["entry_ns"] < 20_000 and 0 <= bias["original_ns"] < 20_000
@@ -79,20 +90,30 @@ def test_layer_hook_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatc
     ring = base["arms"]["ring"]
     assert ring["entries_per_layer_call"] >= 2 and ring["originals_per_layer_call"] >= 1
     assert base["calibration_ns"]["entry_ns"] > 0
+    # the stand-in round: an empty frame at each override point (the experts' forward, the hooked combine stage),
+    # none of the pool's pack/unpack or the Functions' backward, which only ring storage triggers
+    assert ring["stand_in_entries_per_layer_call"] == 2 < ring["entries_per_layer_call"]
+    assert 0 < ring["stand_in_raw_us"] < ring["raw_us"]
+    assert ring["net_us"] == pytest.approx(ring["raw_us"] - ring["stand_in_raw_us"], abs=0.5 * LAYER_WAIT_US)
 
     # a wait in megatron's combine stage (an original the hook calls) is not the hooks' time
     stage = D.combine_postprocess
     monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
-    slow_original = _hook_us()["arms"]["ring"]["us"]
+    slow = _hook_us()["arms"]["ring"]
+    slow_original, slow_original_net = slow["us"], slow["net_us"]
     monkeypatch.setattr(D, "combine_postprocess", stage)
 
     # the same wait inside the hook's own code (the release after that stage) is: once per layer call
     release = core.Held.release
     monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(LAYER_WAIT_US), release(self, *a))[1])
-    slow_hook = _hook_us()["arms"]["ring"]["us"]
+    slow = _hook_us()["arms"]["ring"]
+    slow_hook, slow_hook_net = slow["us"], slow["net_us"]
 
     assert slow_hook - ring["us"] > 0.8 * LAYER_WAIT_US
     assert abs(slow_original - ring["us"]) < 0.5 * LAYER_WAIT_US
+    # the net figure (real less stand-in) moves the same way: the stand-in never runs the hook's own code
+    assert slow_hook_net - ring["net_us"] > 0.8 * LAYER_WAIT_US
+    assert abs(slow_original_net - ring["net_us"]) < 0.5 * LAYER_WAIT_US
 
 
 def test_te_route_check_holds_on_the_recorded_h200_run_and_refuses_an_experts_wrapper() -> None:

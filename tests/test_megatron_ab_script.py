@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -241,6 +242,37 @@ def test_pool_of_two_recorded_sessions(tmp_path: Path, family: str, t95: float, 
     assert b["ci95_pct"] == pytest.approx([(math.exp(mean - half) - 1) * 100, (math.exp(mean + half) - 1) * 100])
     assert b["verdict"] == verdict
     assert all(s["between_rounds"]["verdict"] == "inconclusive" for s in p["sessions"])  # neither session alone
+
+
+def test_pool_of_three_recorded_sessions_resolves_fp8(tmp_path: Path) -> None:
+    """The evening's ten FP8 rounds resolve the eager FP8 A/B: parity alone and pooled (17 rounds), from the
+    compare outputs and t quantiles written here (df 9: 2.262, df 16: 2.120)."""
+    fam, eve = "gb4-te-fp8-pad", ROOT / "examples" / "megatron-h200" / "h200-2026-12-04-eve"
+    folders = [*SESSIONS, eve]
+    assert summ.main(["--family", fam, "--pool", *map(str, folders), "--json", str(tmp_path / "p.json")]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+
+    def interval(ratios: list[float], t95: float) -> tuple[float, list[float]]:
+        logs = [math.log(r) for r in ratios]
+        mean, sd = statistics.mean(logs), statistics.stdev(logs)
+        half = t95 * sd / math.sqrt(len(logs))
+        return math.exp(mean), [(math.exp(mean - half) - 1) * 100, (math.exp(mean + half) - 1) * 100]
+
+    alone = _ratios_from_compare(eve, fam)
+    pooled = [r for d in folders for r in _ratios_from_compare(d, fam)]
+    assert len(alone) == 10 and len(pooled) == 17 and p["ratios"] == pytest.approx(pooled)
+    geo, ci = interval(pooled, 2.120)
+    assert p["between_rounds"]["ratio_geomean"] == pytest.approx(geo)
+    assert p["between_rounds"]["ci95_pct"] == pytest.approx(ci) and p["between_rounds"]["verdict"] == "parity"
+    assert ci[0] > -1.0 and ci[1] < 1.0 and ci[0] > 0  # inside the band, and above zero (what the docs say)
+    geo_e, ci_e = interval(alone, 2.262)
+    last = p["sessions"][-1]["between_rounds"]
+    assert (
+        last["ratio_geomean"] == pytest.approx(geo_e)
+        and last["ci95_pct"] == pytest.approx(ci_e)
+        and last["verdict"] == "parity"
+        and ci_e[0] < 0 < ci_e[1]
+    )
 
 
 def _session_copy(src: Path, dst: Path, family: str) -> Path:

@@ -377,3 +377,33 @@ def test_acquire_under_an_unprepared_capture_raises_in_both_modes(dev, debug, mo
     with pool.graph_capture(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):  # prepared: fine
         pool.release("dispatch_output", pool.acquire("dispatch_output"))
     pool.close()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_same_stream_release_records_no_event_and_a_producer_on_another_stream_still_waits(dev, debug):
+    """(i) A slot released on the stream that produced it records no event (stream order protects a next
+    producer there); a next producer on another stream gets the event recorded late and waits for the slow
+    reader. Without the late record it would wait on a never-recorded event (no wait) and overwrite early."""
+    rows, cols = 512, 512
+    ring = BufferRing("expert_fc2_output", 1, (rows, cols), torch.float32, dev, debug=debug)
+    s, t = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    sums = torch.zeros(4, device=dev)
+    torch.cuda.synchronize()
+    for k in range(2):  # same stream: produced, read slowly and released on s; next producer on s too
+        buf = ring.acquire((rows, cols), s)
+        with torch.cuda.stream(s):
+            buf.fill_(float(k + 1))
+            torch.cuda._sleep(_CYCLES_PER_MS // 2)
+            sums[k] = buf.sum()
+        ring.release(buf, s)
+    assert ring.stats.elided_events == 2 and ring.stats.late_records == 0 and ring.stats.gpu_waits == 0
+    buf = ring.acquire((rows, cols), t)  # another stream: the elided event is recorded on s now, t waits on it
+    with torch.cuda.stream(t):
+        buf.fill_(100.0)
+        sums[2] = buf.sum()
+    ring.release(buf, t)  # produced on t, released on t: elision is off after the late record
+    torch.cuda.synchronize()
+    per = rows * cols
+    assert sums.tolist()[:3] == [1.0 * per, 2.0 * per, 100.0 * per], "a producer overwrote the slot before its reader"
+    assert ring.stats.late_records == 1 and ring.stats.gpu_waits == 1 and ring.stats.elided_events == 2
+    assert ring._slots[0].wait_on is not None and not ring._slots[0].late  # recorded at release from now on

@@ -13,12 +13,14 @@ hooks' Python, the torch calls they make (event record/wait, views, pointer read
 between them; nothing inside the originals. The clock's own cost inside the intervals is measured in
 the same process (:func:`calibrate`) and subtracted per entry and per original call, so the figure is
 the hooks' time with the instrumentation taken out (the calibration runs warm, so the clock's cold-cache
-cost stays in: the figure errs high). What the control does instead of the hooks (the allocator call the
-ring replaces, inside TE or megatron) is not subtracted: the figure is the hooks' cost, not the difference
-of two arms. Hooks that *replace* megatron code instead of wrapping it are charged in full, that code
-included: the ``SequentialMLP`` experts' forward (split, per-expert loop, the concatenation into the slot)
-and the all-to-all ``token_dispatch`` of the local spec and EP > 1 paths, and the autograd Functions'
-backward. There the figure includes work the control does in megatron's code; on the TE module route
+cost stays in: the figure errs high). A stand-in round (``HookClock(empty=True)``) measures that cold cost in
+place: the same entry points, each an empty frame calling the original; the real figure less the stand-in's
+takes out the clock and one empty frame per entry (it errs low by that frame). What the control does instead
+of the hooks (the allocator call the ring replaces, inside TE or megatron) is not subtracted: the figure is the
+hooks' cost, not the difference of two arms. Hooks that *replace* megatron code instead of wrapping it are
+charged in full, that code included: the ``SequentialMLP`` experts' forward (split, per-expert loop, the
+concatenation into the slot) and the all-to-all ``token_dispatch`` of the local spec and EP > 1 paths, and the
+autograd Functions' backward. There the figure includes work the control does in megatron's code; on the TE module route
 (the H200 figures) every hook wraps, and nothing of megatron's or TE's is in it.
 
 :data:`bufreuse.integrations.core.INSTRUMENT` is process-wide while ``arm()`` is open: install nothing
@@ -46,11 +48,18 @@ class _Thread(threading.local):
 
 
 class HookClock:
-    """Exclusive host time of hook frames (see the module docstring); one per measured round."""
+    """Exclusive host time of hook frames (see the module docstring); one per measured round.
 
-    def __init__(self) -> None:
+    ``empty=True`` makes it a stand-in round: an installation puts :meth:`stand_in` (a frame that only calls
+    the original) at every entry point instead of the real hook, so the clock charges its own cost and one
+    Python frame per entry, in place, between the same megatron / TE calls and with the same cold caches. The
+    warm :func:`calibrate` cannot see that cost; the difference of a real and a stand-in round leaves it out.
+    """
+
+    def __init__(self, *, empty: bool = False) -> None:
         self._t = _Thread()
         self._lock = threading.Lock()
+        self.empty = empty
         self.reset()
 
     def reset(self) -> None:
@@ -95,6 +104,15 @@ class HookClock:
                 t.last = clock()
 
         return timed_hook
+
+    def stand_in(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """An empty hook: one frame that calls ``original`` (already wrapped by :meth:`original`), charged as a hook."""
+
+        @functools.wraps(original)
+        def empty_hook(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, **kwargs)
+
+        return self.hook(empty_hook)
 
     def original(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` as work a hook calls: its time is not charged."""

@@ -526,17 +526,22 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
 
             bias = calibrate()
             per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms[1:]}
-            for _ in range(cfg.hook_rounds):
+            stand_ins: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms[1:]}
+            for k in range(cfg.hook_rounds):
                 for arm in arms[1:]:
-                    per_arm[arm].append(_hook_time_arm(p, arm, bias))
+                    # each real round beside a stand-in round (empty hooks at the same points), A B B A
+                    for empty in (False, True) if k % 2 == 0 else (True, False):
+                        (stand_ins if empty else per_arm)[arm].append(_hook_time_arm(p, arm, bias, empty=empty))
             hook_times = {
                 "calibration_ns": bias,
                 "rounds": cfg.hook_rounds,
-                "arms": {arm: _hook_time_summary(r) for arm, r in per_arm.items()},
+                "arms": {arm: _hook_time_summary(r, stand_ins[arm]) for arm, r in per_arm.items()},
                 "note": "hooks' own host time per layer call: time in bufreuse's hook frames (and the torch calls "
                 f"they make), not in the megatron/TE work they wrap; median of {cfg.hook_rounds} instrumented "
-                "round(s) per arm [min, max], the clock's measured cost subtracted; the allocation the control "
-                "makes instead is not subtracted"
+                "round(s) per arm [min, max], the clock's warm cost subtracted (errs high: its cold cost stays in); "
+                "'net' subtracts instead a stand-in round beside each (an empty frame calling the original at every "
+                "entry point: the clock's cost in place, plus that frame, so it errs low); the allocation the "
+                "control makes instead is not subtracted"
                 + (
                     "; local spec: the experts' hook replaces SequentialMLP.forward, so its time includes that "
                     "forward's own split, loop and concatenation (the TE spec's hooks only wrap)"
@@ -552,16 +557,17 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
     return result
 
 
-def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float]) -> dict[str, Any]:
+def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: bool = False) -> dict[str, Any]:
     """One instrumented round of ``arm``: the hooks' exclusive host µs per layer call (:mod:`bufreuse.bench.hook_time`).
 
     ``raw_us`` is what the clock charged; ``us`` subtracts its calibrated cost (``bias``) per hook entry and per
-    original call; the entries and original calls per layer call are exact counts.
+    original call; the entries and original calls per layer call are exact counts. ``empty``: a stand-in round
+    (every hook an empty frame calling the original; the layer then runs as the control does).
     """
     from bufreuse.bench.hook_time import HookClock, instrumented
 
     cfg = p.cfg
-    clock = HookClock()
+    clock = HookClock(empty=empty)
     with instrumented(clock) as during, _installed(p.layer, arm, cfg, p.device, during):
         p.schedule()
         _sync(p.cuda)
@@ -586,11 +592,23 @@ def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float]) -> dict[str, 
     }
 
 
-def _hook_time_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def _hook_time_summary(rounds: list[dict[str, Any]], stand_ins: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """An arm's instrumented rounds: the median of ``us`` and ``raw_us`` with the range; the exact per-call counts
-    of the first round; each hook's raw µs as the median over rounds."""
+    of the first round; each hook's raw µs as the median over rounds. With ``stand_ins`` (one per round, same
+    order): their raw µs and entries, and ``net_us``, the median over rounds of real raw µs less stand-in raw µs."""
     us = [r["us"] for r in rounds]
     med = statistics.median(us)
+    empty: dict[str, Any] = {}
+    if stand_ins:
+        nets = [r["raw_us"] - e["raw_us"] for r, e in zip(rounds, stand_ins, strict=True)]
+        empty = {
+            "stand_in_raw_us": statistics.median([e["raw_us"] for e in stand_ins]),
+            "stand_in_entries_per_layer_call": stand_ins[0]["entries_per_layer_call"],
+            "net_us": statistics.median(nets),
+            "net_min_us": min(nets),
+            "net_max_us": max(nets),
+            "rounds_net_us": nets,
+        }
     hooks: dict[str, list[dict[str, float]]] = {}
     for r in rounds:
         for row in r["by_hook"]:
@@ -613,6 +631,7 @@ def _hook_time_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "entries_per_layer_call": rounds[0]["entries_per_layer_call"],
         "originals_per_layer_call": rounds[0]["originals_per_layer_call"],
         "by_hook": sorted(by_hook, key=lambda row: -row["raw_us"]),
+        **empty,
     }
 
 

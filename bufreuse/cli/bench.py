@@ -142,8 +142,9 @@ def layer(
         bool,
         typer.Option(
             "--hook-time/--no-hook-time",
-            help="After the rounds, one instrumented round per hooked arm: the hooks' own host µs per layer call "
-            "(time in bufreuse's hook code, not in the megatron/TE work it wraps).",
+            help="After the rounds, instrumented rounds per hooked arm: the hooks' own host µs per layer call "
+            "(time in bufreuse's hook code, not in the megatron/TE work it wraps), each beside a stand-in round "
+            "(empty hooks at the same points) whose difference is the 'net' figure.",
         ),
     ] = True,
     hook_rounds: Annotated[

@@ -408,7 +408,8 @@ def with_reuse_hint(pool: BufferPool, name: str, e: Any) -> Exception:
 INSTRUMENT: Any = None
 """Set only while a measurement installs (``bufreuse bench layer --hook-time``): ``hook(fn)`` wraps every hook
 entry :meth:`Installation.override` installs and ``original(fn)`` every callable a hook takes through
-:meth:`Installation.original`. ``None`` (always, in use): both are the identity, at install time only."""
+:meth:`Installation.original`; with ``empty`` set, ``stand_in(original)`` replaces each hook (an empty frame, the
+clock's in-place floor). ``None`` (always, in use): nothing is wrapped, at install time only."""
 
 _ACTIVE: list[Installation] = []
 """Installations alive now; the shared class-level patches stay while any is."""
@@ -510,7 +511,12 @@ class Installation:
         had = attr in vars(obj)
         old = vars(obj).get(attr)
         if INSTRUMENT is not None and callable(value):
-            value = INSTRUMENT.hook(value)
+            # a stand-in round puts an empty frame calling the current attribute where the hook would go
+            value = (
+                INSTRUMENT.stand_in(INSTRUMENT.original(getattr(obj, attr)))
+                if INSTRUMENT.empty
+                else INSTRUMENT.hook(value)
+            )
         setattr(obj, attr, value)
 
         def undo() -> None:

@@ -61,6 +61,12 @@ class RingStats:
     """Slot count now (for ``num_slots='auto'``: the depth warm-up settled on)."""
     grown: int = 0
     """Slots added by ``num_slots='auto'`` growth."""
+    elided_events: int = 0
+    """Eager releases on the stream that produced the slot, which recorded no event (stream order protects
+    the next producer on that stream, as the caching allocator's same-stream free)."""
+    late_records: int = 0
+    """Elided release events recorded after all, because the next producer came on another stream (after the
+    first one the ring records at every release)."""
 
 
 class _Slot:
@@ -73,9 +79,13 @@ class _Slot:
         "generation",
         "holds",
         "index",
+        "late",
         "live",
+        "made_on",
         "marks",
         "pending",
+        "prefix",
+        "prefix_rows",
         "saved_refs",
         "wait_on",
         "wait_stream",
@@ -90,6 +100,10 @@ class _Slot:
         self.capture_event = capture_event
         self.wait_on: Any = None  # event the next producer must wait on (None: nothing pending)
         self.wait_stream: Any = None  # stream that event was recorded on (same stream: no wait)
+        self.made_on: Any = None  # the stream of the live acquisition (its producer)
+        self.late = False  # released on made_on without recording wait_on: record it before anyone waits
+        self.prefix: torch.Tensor | None = None  # the last row-prefix view of base made (acquisitions detach it)
+        self.prefix_rows = -1
         self.saved_refs = 0  # live autograd-saved references (track_saved)
         self.holds = 0  # active Hold objects
         self.pending = False  # release_when_unsaved called; released when saved_refs == holds == 0

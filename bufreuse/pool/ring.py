@@ -2,7 +2,7 @@
 
 Lifecycle of a slot (one per acquisition, numbered by a ring-wide *generation*)::
 
-    free --acquire(stream P)--> held --release(stream C)--> free (event recorded on C)
+    free --acquire(stream P)--> held --release(stream C)--> free (event recorded on C; none when C is P)
                  ^ P waits on the slot's last release event, on the GPU (no host sync)
     held --release_when_unsaved(C)--> pending --last saved ref freed, every hold done--> free
 
@@ -166,6 +166,9 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         self._peak_held = 0
         self._deferred = 0
         self._fallbacks = 0
+        self._elide = True  # same-stream releases record no event until a second producer stream appears
+        self._elided = 0
+        self._late_records = 0
         self._poison_value = poison_value(dtype)
         self.poisoned = 0
         """Slot fills done by debug-mode poisoning (0 in production mode: it does no extra work)."""
@@ -208,8 +211,15 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             slot = self._next_free()
             if slot is None:
                 return self._fallback_acquire(shape, stream)
-        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base.
-        view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
+        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base, or of the slot's
+        # row-prefix view of that many rows (made once per row count: a slice costs three detaches).
+        if shape is None or shape == self.max_shape:
+            view = slot.base.detach()
+        else:
+            rows = self._rows(shape)
+            if rows != slot.prefix_rows:
+                slot.prefix, slot.prefix_rows = slot.base[:rows], rows
+            view = slot.prefix.detach()
         if self._cuda:
             if stream is None:
                 stream = self._ops.current_stream()
@@ -221,11 +231,15 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                 self._check_capture_state()  # a per-layer graph capturing an eager ring: raises before any change
             event = slot.wait_on
             if event is not None and slot.wait_stream is not stream:
+                if slot.late:
+                    self._record_late(slot)
                 self._ops.wait(event, stream)
                 self._gpu_waits += 1
                 if self._watchdog is not None and self._phase is Phase.EAGER:
                     self._watchdog.track(self.name, slot.index, slot.generation, event)
             slot.wait_on = None
+            slot.late = False
+            slot.made_on = stream
         self._generation += 1
         slot.generation = self._generation
         slot.live = view
@@ -392,6 +406,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             fallback_allocations=self._fallbacks,
             settled_slots=self.num_slots,
             grown=self._grown,
+            elided_events=self._elided,
+            late_records=self._late_records,
         )
 
     @property
@@ -423,11 +439,35 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             slot.marks.clear()
         if self.debug:
             self._poison(slot, stream)  # after every final reader, before the event the next producer waits on
+        if slot.made_on is stream and self._elide and self._phase is Phase.EAGER:
+            # Released on the stream that produced it: a next producer on that stream is ordered after this
+            # point by the stream itself (the caching allocator's same-stream free records nothing either).
+            # The event is recorded only if a producer on another stream comes first (_record_late).
+            slot.wait_on = slot.eager_event
+            slot.wait_stream = stream
+            slot.late = True
+            self._elided += 1
+            return waits
         event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
         self._ops.record(event, stream)
         slot.wait_on = event
         slot.wait_stream = stream
+        slot.late = False
         return waits
+
+    def _record_late(self, slot: _Slot, *, switch: bool = True) -> None:
+        """Record an elided release event now, on the stream that released the slot.
+
+        The event then follows everything enqueued there so far: the release point and maybe later work
+        (a conservative wait, never an early one). A ring that meets a second producer stream once records
+        at every release from then on (``switch``; a capture stream joining before capture does not switch),
+        so the over-wait happens at most once per ring.
+        """
+        self._ops.record(slot.wait_on, slot.wait_stream)
+        slot.late = False
+        if switch:
+            self._elide = False
+        self._late_records += 1
 
     def _poison(self, slot: _Slot, stream: Any) -> None:
         """Debug mode: fill the freed slot so a stale reader sees NaN (or all-ones integers), not old data.

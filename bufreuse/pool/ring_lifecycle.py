@@ -205,6 +205,8 @@ class RingLifecycle:
     def _join_releases(self, stream: Any) -> None:
         for slot in self._slots:
             if slot.wait_on is not None and slot.wait_stream is not stream:
+                if slot.late:
+                    self._record_late(slot, switch=False)  # a capture stream joins once
                 self._ops.wait(slot.wait_on, stream)
                 self._gpu_waits += 1
 
@@ -212,6 +214,7 @@ class RingLifecycle:
         for slot in self._slots:
             slot.wait_on = event
             slot.wait_stream = stream
+            slot.late = False
 
     def settle(self) -> None:
         """An ``auto`` ring stops growing; one log line gives the depth it settled on (once)."""

@@ -159,20 +159,25 @@ def _hook_time_table(hook_time: dict[str, Any]) -> Table:
         title=f"Hooks' own host time per layer call (median of {rounds} instrumented round(s) per arm)",
         title_justify="left",
     )
-    for col in ("arm", "hook µs [min, max]", "raw µs (with the clock)", "hook entries", "original calls"):
+    cols = ("arm", "hook µs [min, max]", "raw µs (with the clock)", "empty hooks µs", "net µs [min, max]",
+            "hook entries", "original calls")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="left" if col == "arm" else "right")
     for arm, h in hook_time["arms"].items():
         span = f" [{h['min_us']:.1f}, {h['max_us']:.1f}]" if "min_us" in h else ""
+        net = f"{h['net_us']:.1f} [{h['net_min_us']:.1f}, {h['net_max_us']:.1f}]" if "net_us" in h else "—"
         table.add_row(
             arm,
             f"{h['us']:.1f}{span}",
             f"{h['raw_us']:.1f}",
+            f"{h['stand_in_raw_us']:.1f}" if "stand_in_raw_us" in h else "—",
+            net,
             f"{h['entries_per_layer_call']:.1f}",
             f"{h['originals_per_layer_call']:.1f}",
         )
     for arm, h in hook_time["arms"].items():
         for row in h.get("by_hook", []):
-            table.add_row(f"  {arm}: {row['hook']}", "", f"{row['raw_us']:.1f}", f"{row['entries']:.1f}", "")
+            table.add_row(f"  {arm}: {row['hook']}", "", f"{row['raw_us']:.1f}", "", "", f"{row['entries']:.1f}", "")
     return table
 
 

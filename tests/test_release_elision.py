@@ -1,0 +1,119 @@
+"""Same-stream releases record no event; the elided event is recorded late when a producer on another stream
+comes (CPU, with recording stand-ins for the CUDA stream and event calls; the real streams:
+``tests/test_pool_gpu.py::test_same_stream_release_records_no_event_and_a_producer_on_another_stream_still_waits``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bufreuse.pool import BufferRing
+
+
+class _Ops:
+    """DeviceOps' interface, logging every record and wait with the event's slot and the stream's name."""
+
+    cuda = True
+
+    def __init__(self) -> None:
+        self.stream = "s"
+        self.log: list[tuple[str, object, str]] = []
+
+    def current_stream(self) -> str:
+        return self.stream
+
+    def record(self, event: object, stream: str) -> None:
+        self.log.append(("record", event, stream))
+
+    def wait(self, event: object, stream: str) -> None:
+        self.log.append(("wait", event, stream))
+
+    def capturing(self) -> bool:
+        return False
+
+    def stream_is_current(self, stream: str) -> bool:
+        return stream == self.stream
+
+    def new_event(self) -> object:
+        return object()
+
+
+def _ring(slots: int = 2) -> tuple[BufferRing, _Ops]:
+    ring = BufferRing("expert_fc2_output", slots, (4, 2), torch.float32, "cpu", debug=False)
+    ops = _Ops()
+    ring._ops, ring._cuda = ops, True
+    ring._fence = ops.new_event()
+    for slot in ring._slots:
+        slot.eager_event, slot.capture_event = ops.new_event(), ops.new_event()
+    return ring, ops
+
+
+def test_same_stream_releases_record_nothing_and_other_streams_record_as_before() -> None:
+    ring, ops = _ring()
+    for _ in range(6):
+        ring.release(ring.acquire((4, 2)))  # produced and released on the current stream "s"
+    assert ops.log == [] and ring.stats.elided_events == 6 and ring.stats.gpu_waits == 0
+    # positive control: released on another stream than the producer's, the event is recorded there
+    x = ring.acquire((4, 2))
+    ring.release(x, "t")
+    slot = ring._slots[ring.slot_of(x)]
+    assert ops.log == [("record", slot.eager_event, "t")] and ring.stats.elided_events == 6
+
+
+def test_a_producer_on_another_stream_gets_the_event_recorded_first_then_waits() -> None:
+    ring, ops = _ring(slots=1)
+    ring.release(ring.acquire((4, 2)))  # elided on "s"
+    event = ring._slots[0].eager_event
+    ops.stream = "t"
+    ring.acquire((4, 2))
+    assert ops.log == [("record", event, "s"), ("wait", event, "t")], "the late record must precede the wait"
+    assert ring.stats.late_records == 1 and ring.stats.gpu_waits == 1
+    # from now on every release records (the over-wait of a late record happens once per ring)
+    ring.release(ring._slots[0].live)
+    assert ops.log[-1] == ("record", event, "t") and ring.stats.elided_events == 1
+
+
+def test_a_capture_stream_joins_an_elided_release_without_switching_elision_off() -> None:
+    ring, ops = _ring(slots=1)
+    ring.release(ring.acquire((4, 2)))
+    event = ring._slots[0].eager_event
+    ring.prepare_capture("cap")
+    assert ops.log[:2] == [("record", event, "s"), ("wait", event, "cap")]
+    ring.abort_capture()
+    ops.log.clear()
+    ring.release(ring.acquire((4, 2)))
+    assert ring._elide and not [e for e in ops.log if e[1] is event]
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_reset_and_forget_drop_a_pending_late_record(late: bool) -> None:
+    ring, ops = _ring(slots=1)
+    x = ring.acquire((4, 2))
+    ring.release(x, "s" if late else "t")
+    ring.reset(synchronize=False)
+    ops.log.clear()
+    ops.stream = "u"
+    ring.acquire((4, 2))
+    assert ops.log == [], "after reset nothing is pending: no late record, no wait"
+
+
+def test_row_prefix_acquisitions_are_fresh_tensors_of_the_slot_whatever_the_row_count() -> None:
+    """A row-prefix acquisition detaches the slot's cached prefix view: a new tensor each time, the slot's
+    storage and version counter, the rows asked for (also when the row count changes and comes back)."""
+    from bufreuse.pool import StaleAliasError
+
+    ring = BufferRing("dispatch_output", 1, (8, 3), torch.float32, "cpu", debug=False)
+    seen = []
+    for rows in (5, 5, 2, 8, 5):
+        x = ring.acquire((rows, 3))
+        assert tuple(x.shape) == (rows, 3) and x.is_contiguous() and ring.slot_of(x) == 0
+        assert x.data_ptr() == ring._slots[0].base.data_ptr() and all(x is not y for y in seen)
+        seen.append(x)
+        ring.release(x)
+    old, new = seen[0], ring.acquire((5, 3))
+    before = old._version
+    new.add_(1.0)  # an in-place write into a later acquisition of the slot: the stale alias sees it
+    assert old._version == before + 1
+    with pytest.raises(StaleAliasError):
+        ring.release(old)
+    ring.release(new)
