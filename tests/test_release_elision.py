@@ -85,21 +85,24 @@ def test_a_capture_stream_joins_an_elided_release_without_switching_elision_off(
     assert ring._elide and not [e for e in ops.log if e[1] is event]
 
 
-@pytest.mark.parametrize("late", [True, False])
-def test_reset_and_forget_drop_a_pending_late_record(late: bool) -> None:
+@pytest.mark.parametrize("reset", [True, False])
+def test_reset_forgets_an_elided_release(reset: bool) -> None:
     ring, ops = _ring(slots=1)
-    x = ring.acquire((4, 2))
-    ring.release(x, "s" if late else "t")
-    ring.reset(synchronize=False)
+    ring.release(ring.acquire((4, 2)))  # elided on "s"
+    if reset:
+        ring.reset(synchronize=False)
     ops.log.clear()
     ops.stream = "u"
     ring.acquire((4, 2))
-    assert ops.log == [], "after reset nothing is pending: no late record, no wait"
+    if reset:
+        assert ops.log == [], "after reset nothing is pending: no late record, no wait"
+    else:  # positive control: without the reset the producer on "u" gets the late record and waits
+        assert [e[0] for e in ops.log] == ["record", "wait"]
 
 
 def test_row_prefix_acquisitions_are_fresh_tensors_of_the_slot_whatever_the_row_count() -> None:
-    """A row-prefix acquisition detaches the slot's cached prefix view: a new tensor each time, the slot's
-    storage and version counter, the rows asked for (also when the row count changes and comes back)."""
+    """A row-prefix acquisition is a new tensor each time over the slot's storage, sharing its version counter,
+    with the rows asked for (also when the row count changes and comes back)."""
     from bufreuse.pool import StaleAliasError
 
     ring = BufferRing("dispatch_output", 1, (8, 3), torch.float32, "cpu", debug=False)
@@ -117,3 +120,21 @@ def test_row_prefix_acquisitions_are_fresh_tensors_of_the_slot_whatever_the_row_
     with pytest.raises(StaleAliasError):
         ring.release(old)
     ring.release(new)
+
+
+def test_a_deferred_release_is_elided_and_counted_apart_from_the_hot_path() -> None:
+    """A release deferred until autograd frees its saved reference (done by whichever thread frees it) is elided on
+    the producer's stream too, counted in its own counter (the hot path's counters stay the caller thread's)."""
+    from bufreuse.pool.tracking import track_saved
+
+    ring, ops = _ring(slots=1)
+    x = ring.acquire((4, 2))
+    w = torch.ones(4, 2, requires_grad=True)
+    with track_saved(ring._registry):
+        y = x * w  # saves x (a view of the slot) for w's gradient
+    assert not ring.release_when_unsaved(x)  # deferred: autograd still holds it (the forward reader's mark on "s")
+    assert ring.stats.elided_events == 0 and ring.held == 1 and [e[0] for e in ops.log] == ["record"]
+    slot_event = ring._slots[0].eager_event
+    del y  # the graph and its saved reference go: the deferred release happens now, on "s"
+    assert ring.held == 0 and len(ops.log) == 1 and not [e for e in ops.log if e[1] is slot_event]
+    assert ring.stats.elided_events == 1 and ring._deferred_elided == 1 and ring._elided == 0

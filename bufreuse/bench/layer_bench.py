@@ -535,13 +535,14 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
             hook_times = {
                 "calibration_ns": bias,
                 "rounds": cfg.hook_rounds,
-                "arms": {arm: _hook_time_summary(r, stand_ins[arm]) for arm, r in per_arm.items()},
+                "arms": {arm: _hook_time_summary(r, stand_ins[arm], bias) for arm, r in per_arm.items()},
                 "note": "hooks' own host time per layer call: time in bufreuse's hook frames (and the torch calls "
                 f"they make), not in the megatron/TE work they wrap; median of {cfg.hook_rounds} instrumented "
-                "round(s) per arm [min, max], the clock's warm cost subtracted (errs high: its cold cost stays in); "
-                "'net' subtracts instead a stand-in round beside each (an empty frame calling the original at every "
-                "entry point: the clock's cost in place, plus that frame, so it errs low); the allocation the "
-                "control makes instead is not subtracted"
+                "round(s) per arm [min, max], the clock's warm cost subtracted (its cold cost stays in); 'net' "
+                "subtracts instead a stand-in round beside each (an empty frame calling the original at each "
+                "override point: the clock's cost there in place, and that frame), the warm cost at the other "
+                "boundaries; stand-ins alternate before and after (balanced for an even --hook-rounds); the "
+                "allocation the control makes instead is not subtracted"
                 + (
                     "; local spec: the experts' hook replaces SequentialMLP.forward, so its time includes that "
                     "forward's own split, loop and concatenation (the TE spec's hooks only wrap)"
@@ -592,18 +593,35 @@ def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: boo
     }
 
 
-def _hook_time_summary(rounds: list[dict[str, Any]], stand_ins: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _hook_time_summary(
+    rounds: list[dict[str, Any]], stand_ins: list[dict[str, Any]] | None = None, bias: dict[str, float] | None = None
+) -> dict[str, Any]:
     """An arm's instrumented rounds: the median of ``us`` and ``raw_us`` with the range; the exact per-call counts
-    of the first round; each hook's raw µs as the median over rounds. With ``stand_ins`` (one per round, same
-    order): their raw µs and entries, and ``net_us``, the median over rounds of real raw µs less stand-in raw µs."""
+    of the first round; each hook's raw µs as the median over rounds.
+
+    With ``stand_ins`` (one per round, same order) and the warm ``bias``: ``net_us`` per round is the real round's
+    raw µs less its stand-in's raw µs (the clock's cost in place at the entry points a stand-in has, and one empty
+    frame there) less the warm ``bias`` for the entries and original calls the stand-in has no counterpart of (the
+    pool's pack/unpack, the Functions' backward, the originals they or the hooks call beyond the stand-in's);
+    reported as the median over rounds with the range.
+    """
     us = [r["us"] for r in rounds]
     med = statistics.median(us)
     empty: dict[str, Any] = {}
     if stand_ins:
-        nets = [r["raw_us"] - e["raw_us"] for r, e in zip(rounds, stand_ins, strict=True)]
+        b = bias or {"entry_ns": 0.0, "original_ns": 0.0}
+
+        def net(r: dict[str, Any], e: dict[str, Any]) -> float:
+            extra_entries = r["entries_per_layer_call"] - e["entries_per_layer_call"]
+            extra_originals = r["originals_per_layer_call"] - e["originals_per_layer_call"]
+            warm = (extra_entries * b["entry_ns"] + extra_originals * b["original_ns"]) / 1e3
+            return r["raw_us"] - e["raw_us"] - warm
+
+        nets = [net(r, e) for r, e in zip(rounds, stand_ins, strict=True)]
         empty = {
             "stand_in_raw_us": statistics.median([e["raw_us"] for e in stand_ins]),
             "stand_in_entries_per_layer_call": stand_ins[0]["entries_per_layer_call"],
+            "stand_in_originals_per_layer_call": stand_ins[0]["originals_per_layer_call"],
             "net_us": statistics.median(nets),
             "net_min_us": min(nets),
             "net_max_us": max(nets),

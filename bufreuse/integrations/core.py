@@ -511,12 +511,11 @@ class Installation:
         had = attr in vars(obj)
         old = vars(obj).get(attr)
         if INSTRUMENT is not None and callable(value):
-            # a stand-in round puts an empty frame calling the current attribute where the hook would go
-            value = (
-                INSTRUMENT.stand_in(INSTRUMENT.original(getattr(obj, attr)))
-                if INSTRUMENT.empty
-                else INSTRUMENT.hook(value)
-            )
+            # a stand-in round puts an empty frame calling the current attribute where the hook would go (a hook
+            # with no attribute under it stays real; patches made outside override() are not stood in for)
+            current = getattr(obj, attr, None)
+            stand_in = INSTRUMENT.empty and callable(current)
+            value = INSTRUMENT.stand_in(INSTRUMENT.original(current)) if stand_in else INSTRUMENT.hook(value)
         setattr(obj, attr, value)
 
         def undo() -> None:

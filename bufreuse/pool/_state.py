@@ -65,8 +65,8 @@ class RingStats:
     """Eager releases on the stream that produced the slot, which recorded no event (stream order protects
     the next producer on that stream, as the caching allocator's same-stream free)."""
     late_records: int = 0
-    """Elided release events recorded after all, because the next producer came on another stream (after the
-    first one the ring records at every release)."""
+    """Elided release events recorded after all: a next producer on another stream (after the first, the ring
+    records at every release) or a capture stream joining the slot before capture."""
 
 
 class _Slot:
@@ -84,8 +84,6 @@ class _Slot:
         "made_on",
         "marks",
         "pending",
-        "prefix",
-        "prefix_rows",
         "saved_refs",
         "wait_on",
         "wait_stream",
@@ -102,8 +100,6 @@ class _Slot:
         self.wait_stream: Any = None  # stream that event was recorded on (same stream: no wait)
         self.made_on: Any = None  # the stream of the live acquisition (its producer)
         self.late = False  # released on made_on without recording wait_on: record it before anyone waits
-        self.prefix: torch.Tensor | None = None  # the last row-prefix view of base made (acquisitions detach it)
-        self.prefix_rows = -1
         self.saved_refs = 0  # live autograd-saved references (track_saved)
         self.holds = 0  # active Hold objects
         self.pending = False  # release_when_unsaved called; released when saved_refs == holds == 0

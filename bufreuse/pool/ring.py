@@ -168,6 +168,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         self._fallbacks = 0
         self._elide = True  # same-stream releases record no event until a second producer stream appears
         self._elided = 0
+        self._deferred_elided = 0  # written under the lock by the thread that frees a deferred slot's last reader
         self._late_records = 0
         self._poison_value = poison_value(dtype)
         self.poisoned = 0
@@ -211,15 +212,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             slot = self._next_free()
             if slot is None:
                 return self._fallback_acquire(shape, stream)
-        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base, or of the slot's
-        # row-prefix view of that many rows (made once per row count: a slice costs three detaches).
-        if shape is None or shape == self.max_shape:
-            view = slot.base.detach()
-        else:
-            rows = self._rows(shape)
-            if rows != slot.prefix_rows:
-                slot.prefix, slot.prefix_rows = slot.base[:rows], rows
-            view = slot.prefix.detach()
+        # A fresh TensorImpl sharing only this slot's version counter: detach() of its base.
+        view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
         if self._cuda:
             if stream is None:
                 stream = self._ops.current_stream()
@@ -406,7 +400,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             fallback_allocations=self._fallbacks,
             settled_slots=self.num_slots,
             grown=self._grown,
-            elided_events=self._elided,
+            elided_events=self._elided + self._deferred_elided,
             late_records=self._late_records,
         )
 
@@ -427,8 +421,12 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
 
     # --- internals ------------------------------------------------------------------------------------
 
-    def _record_release(self, slot: _Slot, stream: Any) -> int:
-        """Record the slot's release event on ``stream`` after joining earlier readers; the waits added."""
+    def _record_release(self, slot: _Slot, stream: Any, *, deferred: bool = False) -> int:
+        """Record the slot's release event on ``stream`` after joining earlier readers; the waits added.
+
+        ``deferred``: called by whichever thread freed the last reader (under the lock), so it counts an elided
+        event in its own counter: the hot path's counters are written by the caller's thread only.
+        """
         waits = 0
         if slot.marks:
             for mark_stream, event in slot.marks:
@@ -446,7 +444,10 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             slot.wait_on = slot.eager_event
             slot.wait_stream = stream
             slot.late = True
-            self._elided += 1
+            if deferred:
+                self._deferred_elided += 1
+            else:
+                self._elided += 1
             return waits
         event = slot.capture_event if self._phase is Phase.CAPTURING else slot.eager_event
         self._ops.record(event, stream)
@@ -459,9 +460,10 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         """Record an elided release event now, on the stream that released the slot.
 
         The event then follows everything enqueued there so far: the release point and maybe later work
-        (a conservative wait, never an early one). A ring that meets a second producer stream once records
-        at every release from then on (``switch``; a capture stream joining before capture does not switch),
-        so the over-wait happens at most once per ring.
+        (a conservative wait, never an early one). A ring that meets a second producer stream records at every
+        release from then on (``switch``; a capture stream joining before capture does not switch), so the
+        over-wait happens at most once per slot already elided at the switch. The releasing stream must still
+        exist then (streams that live as long as the training process, as Megatron's and NCCL's do).
         """
         self._ops.record(slot.wait_on, slot.wait_stream)
         slot.late = False

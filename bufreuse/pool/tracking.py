@@ -179,7 +179,7 @@ class SavedRefCounting:
             stream = self._ops.current_stream()
         if slot.pending and not slot.saved_refs and not slot.holds:
             if self._cuda:
-                self._deferred_waits += self._record_release(slot, stream)
+                self._deferred_waits += self._record_release(slot, stream, deferred=True)
             elif self.debug:
                 self._poison(slot, None)
             slot.pending = False
