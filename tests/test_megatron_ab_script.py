@@ -27,6 +27,15 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 
 def _ab(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "OUT": str(tmp_path), "MEGATRON_LM_PATH": str(tmp_path), **env}
+    # the script runs `python3`: make it the interpreter running these tests (its venv has bufreuse), whatever
+    # PATH says, without putting the venv's other tools (its real torchrun) ahead of a fake one
+    py_dir = tmp_path.parent / f"{tmp_path.name}-python3"
+    py_dir.mkdir(parents=True, exist_ok=True)
+    shim = py_dir / "python3"
+    if not shim.exists():  # a wrapper, not a symlink: a venv is found from the path the interpreter is run by
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        shim.chmod(0o755)
+    full["PATH"] = os.pathsep.join([str(py_dir), full.get("PATH", "")])
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "megatron-ab.sh"), *args], env=full, capture_output=True, text=True, timeout=60
     )
