@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_parallel, install_exercising_rings
+from megatron_cpu import cpu_moe_layer, cpu_moe_parallel, install_exercising_rings
 
 from bufreuse.config import BufReuseConfig, identity_dispatch, single_rank_expert, static_bounds, unused_rings
 from bufreuse.errors import BackendContractError
@@ -43,26 +43,7 @@ def parallel():
 
 
 def _layer(num_experts: int = 8, deterministic: bool = False):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(0)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_moe_experts=num_experts,
-        moe_router_topk=min(2, num_experts),
-        moe_router_pre_softmax=num_experts == 1,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        moe_expert_capacity_factor=1.0,
-        moe_pad_expert_input_to_capacity=True,
-        deterministic_mode=deterministic,
-    )
-    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    return cpu_moe_layer(num_experts, "alltoall", HIDDEN, deterministic_mode=deterministic)
 
 
 def _step(layer, seed: int):

@@ -144,18 +144,24 @@ class _MegatronTEGroupedLinear(te.GroupedLinear):
         return super().forward(x, m_splits, is_first_microbatch=None), None
 
 
+def _fc2_case():
+    """Routed tokens, their splits, the expert-output ring's name and pool, a megatron FC2 and TE's output for it."""
+    hidden, _, _ = _routing()
+    splits = [3, 5, 0, 4]
+    name = "expert_fc2_output"
+    pool = _pool(name, BOUND, 8)
+    fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
+    return hidden, splits, name, pool, fc2, te.GroupedLinearUpstream.forward(fc2, hidden, splits)
+
+
 def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone() -> None:
     from bufreuse.config import BufReuseConfig
     from bufreuse.integrations.core import Installation
     from bufreuse.integrations.te.out_route import ROUTE, Fc2Route, route_into_ring
 
-    hidden, _, _ = _routing()
-    splits = [3, 5, 0, 4]
-    name = "expert_fc2_output"
-    pool = _pool(name, BOUND, 8)
-    fc1, fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8), _MegatronTEGroupedLinear(4, HIDDEN, 8)
+    hidden, splits, name, pool, fc2, ref = _fc2_case()
+    fc1 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
     fc1.weights = fc2.weights
-    ref = te.GroupedLinearUpstream.forward(fc2, hidden, splits)
     got: list = []
     inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
     route_into_ring(inst, fc2, Fc2Route(pool, name, 8, got, te.GroupedLinear.forward))
@@ -187,12 +193,7 @@ def test_te_module_route_under_the_hook_clock(monkeypatch, empty: bool) -> None:
     from bufreuse.integrations.core import Installation
     from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
 
-    hidden, _, _ = _routing()
-    splits = [3, 5, 0, 4]
-    name = "expert_fc2_output"
-    pool = _pool(name, BOUND, 8)
-    fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
-    ref = te.GroupedLinearUpstream.forward(fc2, hidden, splits)
+    hidden, splits, name, pool, fc2, ref = _fc2_case()
     clock, got = HookClock(empty=empty), []
     monkeypatch.setattr(core, "INSTRUMENT", clock)
     inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
@@ -237,12 +238,7 @@ def test_te_module_route_survives_deepcopy_and_a_later_class_switch() -> None:
     from bufreuse.integrations.core import Installation
     from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
 
-    hidden, _, _ = _routing()
-    splits = [3, 5, 0, 4]
-    name = "expert_fc2_output"
-    pool = _pool(name, BOUND, 8)
-    fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
-    ref = te.GroupedLinearUpstream.forward(fc2, hidden, splits)
+    hidden, splits, name, pool, fc2, ref = _fc2_case()
     got: list = []
     inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
     route_into_ring(inst, fc2, Fc2Route(pool, name, 8, got, te.GroupedLinear.forward))

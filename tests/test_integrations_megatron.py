@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_parallel  # noqa: E402
+from megatron_cpu import cpu_moe_layer, cpu_moe_parallel, moe_forward  # noqa: E402
 from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 from schedule_harness import MODES, guard, mode_env  # noqa: E402
 
@@ -39,38 +39,11 @@ def parallel():
 
 
 def _layer(num_experts: int, dispatcher: str = "alltoall"):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(0)
-    topk = min(2, num_experts)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_moe_experts=num_experts,
-        moe_router_topk=topk,
-        moe_router_pre_softmax=topk == 1,
-        moe_token_dispatcher_type=dispatcher,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        moe_expert_capacity_factor=1.0,
-        moe_pad_expert_input_to_capacity=True,
-    )
-    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    return cpu_moe_layer(num_experts, dispatcher, HIDDEN)
 
 
 def _forward(layer, x):
-    n = layer.config.num_moe_experts
-    g = torch.Generator().manual_seed(1)
-    top = torch.softmax(torch.randn(x.shape[0] * x.shape[1], n, generator=g), -1).topk(layer.config.moe_router_topk)
-    routing = torch.zeros(top.values.shape[0], n, dtype=torch.bool).scatter(1, top.indices, True)
-    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values)
-    h, p = layer.preprocess(x, probs, routing)
-    d, p = layer.dispatch(h, p)
-    out, _ = layer.routed_experts_compute(d, p)
-    return layer.postprocess(layer.combine(out), None)
+    return moe_forward(layer, x)
 
 
 def _interleaved(layer, xs):

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_parallel
+from megatron_cpu import cpu_moe_layer, cpu_moe_parallel, moe_forward
 
 from bufreuse.config import BufReuseConfig, static_bounds
 from bufreuse.integrations.core import DISPATCH, EXPERT
@@ -35,37 +35,14 @@ def parallel():
 
 def _layer():
     """A real all-to-all MoELayer built at EP = ETP = 1 (config fields and process groups agree)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(0)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        moe_expert_capacity_factor=1.0,
-        moe_pad_expert_input_to_capacity=True,
-    )
-    return get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    return cpu_moe_layer(8, "alltoall", HIDDEN)
 
 
 def _step(layer) -> torch.Tensor:
     """One layer call, forward and backward; returns the output."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SEQ, MBS, HIDDEN, generator=g).requires_grad_(True)
-    top = torch.softmax(torch.randn(TOKENS, 8, generator=g), -1).topk(2)
-    routing = torch.zeros(TOKENS, 8, dtype=torch.bool).scatter(1, top.indices, True)
-    probs = torch.zeros(routing.shape).scatter(1, top.indices, top.values)
-    h, p = layer.preprocess(x, probs, routing)
-    d, p = layer.dispatch(h, p)
-    out, _ = layer.routed_experts_compute(d, p)
-    y = layer.postprocess(layer.combine(out), None)
+    y = moe_forward(layer, x, g)
     y.backward(torch.ones_like(y))
     return y.detach()
 
