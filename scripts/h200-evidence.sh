@@ -5,7 +5,8 @@
 #
 #   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
 #   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8);
-#                                               # ROUNDS (10), HOOK_ROUNDS, PROFILE=0 (no --profile) tune it
+#                                               # ROUNDS (10), HOOK_ROUNDS, ADDED_PAIRS, GC=manual,
+#                                               # PROFILE=0 (no --profile) tune it
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
@@ -94,6 +95,8 @@ case $stage in
       [ "$routing" = pad ] && args+=(--pad)
       [ "$preset" = host ] && [ "${PROFILE:-1}" = 1 ] && args+=(--profile)
       [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
+      [ -n "${ADDED_PAIRS:-}" ] && [[ $arg != old-* ]] && args+=(--added-pairs "$ADDED_PAIRS")
+      [ -n "${GC:-}" ] && [[ $arg != old-* ]] && args+=(--gc "$GC")
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"

@@ -184,6 +184,8 @@ def test_profile_counts_calls_and_finds_the_hooks_only_in_the_ring_arm() -> None
         (["--preset", "huge"], "--preset must be one of"),
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--hook-rounds", "0"], "--hook-rounds must be >= 1"),
+        (["--added-pairs", "0"], "--added-pairs must be >= 1"),
+        (["--gc", "sometimes"], "--gc must be one of auto, manual"),
         (["--plot", "ratios.txt"], "--plot ratios.txt: the file name must end in .png"),
         (["--device", "meta"], "use cuda, cuda:N or cpu"),
     ],
@@ -214,3 +216,25 @@ def test_profile_refused_up_front_when_another_profiler_is_active(monkeypatch) -
     assert result.exit_code == 2, result.output
     assert "--profile: cannot start cProfile" in result.output and "Traceback" not in result.output
     assert "ratio to the control" not in result.output  # refused before any round ran
+
+
+def test_manual_gc_keeps_the_collector_off_inside_a_round_and_restores_it() -> None:
+    """``--gc manual`` (Megatron's ``--manual-gc``): collected before the round, off during it, on again after;
+    ``auto`` leaves the collector alone (positive control: it stays on inside)."""
+    import gc
+
+    from bufreuse.bench.layer_bench import _collector
+
+    assert gc.isenabled()
+    with _collector(LayerBenchConfig(gc="manual")):
+        inside_manual = gc.isenabled()
+    with _collector(LayerBenchConfig(gc="auto")):
+        inside_auto = gc.isenabled()
+    assert not inside_manual and inside_auto and gc.isenabled()
+    gc.disable()  # a process that runs with the collector off already keeps it off
+    try:
+        with _collector(LayerBenchConfig(gc="manual")):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -59,13 +59,25 @@ def test_te_hooks_enter_the_fc2_shim_once_per_layer_call_and_nothing_else_per_ge
     (FC1, the other GroupedLinear of the layer, never enters it) and one combine-stage wrapper; the experts'
     forward is not wrapped at EP = 1 (no dispatch ring can reach it)."""
     args = ["bench", "layer", "--device", "cuda", *SHAPE, "--spec", "te", "--precision", precision, "--pad",
-            "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", "2", "--warmup", "0", "--json"]  # fmt: skip
+            "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", "2", "--warmup", "0",
+            "--added-pairs", "3", "--json"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    write_summary(f"bench_layer_hook_time_te_{precision}", data["hook_time"])
+    write_summary(
+        f"bench_layer_hook_time_te_{precision}", {"hook_time": data["hook_time"], "added": data["added_time"]}
+    )
     ring = data["hook_time"]["arms"]["ring"]
     check_te_pad_hook_entries(ring)
+    # --added-time spans the same entries in the control and the arm: the FC2 module's forward (the shim is in its
+    # class's MRO) and the one hooked combine stage; both run in the control too
+    added = data["added_time"]["arms"]["ring"]
+    fc2, stage = "TERowParallelGroupedLinear.forward", "MoEAlltoAllTokenDispatcher.combine_postprocess"
+    assert set(added["entry_points"]) == {fc2, stage}
+    points = {row["point"]: row for row in added["points"]}
+    for name in added["entry_points"]:
+        assert points[name]["control_us"] > 0 and points[name]["arm_us"] > 0, points
+    assert added["pairs"] == 3 and added["ci_low_us"] is not None
 
 
 TE_PAD_HOOKS = (

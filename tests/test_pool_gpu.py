@@ -407,3 +407,33 @@ def test_same_stream_release_records_no_event_and_a_producer_on_another_stream_s
     assert sums.tolist()[:3] == [1.0 * per, 2.0 * per, 100.0 * per], "a producer overwrote the slot before its reader"
     assert ring.stats.late_records == 1 and ring.stats.gpu_waits == 1 and ring.stats.elided_events == 2
     assert ring._slots[0].wait_on is not None and not ring._slots[0].late  # recorded at release from now on
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_a_deferred_slots_reader_mark_is_recorded_late_when_its_last_reader_is_on_another_stream(dev, debug):
+    """(ii) The forward reader of a deferred slot (a hold keeps it) leaves an unrecorded mark on its stream s; the
+    hold finishes on t: the mark is recorded on s then (after the slow reader), t waits on it, and a producer on t
+    cannot overwrite the slot early. Without the late mark record t would wait on a never-recorded event."""
+    rows, cols = 512, 512
+    ring = BufferRing("expert_fc2_output", 1, (rows, cols), torch.float32, dev, debug=debug)
+    s, t = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    sums = torch.zeros(2, device=dev)
+    torch.cuda.synchronize()
+    buf = ring.acquire((rows, cols), s)
+    hold = ring.hold(buf)
+    with torch.cuda.stream(s):
+        buf.fill_(1.0)
+        torch.cuda._sleep(_CYCLES_PER_MS // 2)  # the slow forward reader
+        sums[0] = buf.sum()
+    assert not ring.release_when_unsaved(buf, s)  # deferred: the hold; the reader's mark on s is not recorded
+    assert ring.stats.elided_events == 1 and ring.stats.late_records == 0
+    hold.done(t)  # the last reader finished on t: the mark is recorded on s now, t waits on it
+    nxt = ring.acquire((rows, cols), t)
+    with torch.cuda.stream(t):
+        nxt.fill_(100.0)
+        sums[1] = nxt.sum()
+    ring.release(nxt, t)
+    torch.cuda.synchronize()
+    per = rows * cols
+    assert sums.tolist() == [1.0 * per, 100.0 * per], "a producer overwrote the slot before its forward reader"
+    assert ring.stats.late_records == 1 and ring.stats.gpu_waits == 1

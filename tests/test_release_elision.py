@@ -124,7 +124,8 @@ def test_row_prefix_acquisitions_are_fresh_tensors_of_the_slot_whatever_the_row_
 
 def test_a_deferred_release_is_elided_and_counted_apart_from_the_hot_path() -> None:
     """A release deferred until autograd frees its saved reference (done by whichever thread frees it) is elided on
-    the producer's stream too, counted in its own counter (the hot path's counters stay the caller thread's)."""
+    the producer's stream too, counted in its own counter (the hot path's counters stay the caller thread's); the
+    forward reader's mark on that stream records nothing either."""
     from bufreuse.pool.tracking import track_saved
 
     ring, ops = _ring(slots=1)
@@ -133,8 +134,47 @@ def test_a_deferred_release_is_elided_and_counted_apart_from_the_hot_path() -> N
     with track_saved(ring._registry):
         y = x * w  # saves x (a view of the slot) for w's gradient
     assert not ring.release_when_unsaved(x)  # deferred: autograd still holds it (the forward reader's mark on "s")
-    assert ring.stats.elided_events == 0 and ring.held == 1 and [e[0] for e in ops.log] == ["record"]
-    slot_event = ring._slots[0].eager_event
+    assert ops.log == [] and ring.held == 1 and ring.stats.elided_events == 1, "the mark on 's' is not recorded"
+    assert ring._marks_elided == 1 and ring._elided == 0
     del y  # the graph and its saved reference go: the deferred release happens now, on "s"
-    assert ring.held == 0 and len(ops.log) == 1 and not [e for e in ops.log if e[1] is slot_event]
-    assert ring.stats.elided_events == 1 and ring._deferred_elided == 1 and ring._elided == 0
+    assert ring.held == 0 and ops.log == [], "same stream as the mark and the producer: nothing recorded, no wait"
+    assert ring.stats.elided_events == 2 and ring._deferred_elided == 1 and ring._elided == 0
+    assert ring.stats.gpu_waits == 0 and ring.stats.late_records == 0
+
+
+def test_a_reader_mark_is_recorded_late_when_the_final_release_comes_on_another_stream() -> None:
+    """The forward reader on "s" leaves an unrecorded mark; the last reader (a hold) finishes on "t": the mark's
+    event is recorded on "s" first, "t" waits on it, then the release event goes on "t" (the producer's stream
+    is "s", so it is not elided). From then on the ring records its marks and releases."""
+    ring, ops = _ring(slots=1)
+    x = ring.acquire((4, 2))
+    hold = ring.hold(x)
+    assert not ring.release_when_unsaved(x)  # the hold keeps it: deferred, the reader's mark on "s"
+    assert ops.log == []
+    mark = ring._slots[0].marks[0][1]
+    hold.done("t")
+    slot_event = ring._slots[0].eager_event
+    assert ops.log == [("record", mark, "s"), ("wait", mark, "t"), ("record", slot_event, "t")], (
+        "the late mark record must precede the wait, and the release follow it"
+    )
+    assert ring.stats.late_records == 1 and ring.stats.gpu_waits == 1 and not ring._elide
+    # positive control of the switch: the next deferred slot's mark is recorded when it is made
+    ops.log.clear()
+    ops.stream = "s"
+    y = ring.acquire((4, 2))
+    hold = ring.hold(y)
+    ring.release_when_unsaved(y)
+    assert [e[0] for e in ops.log] == ["wait", "record"], "producer waits on the release; the mark is recorded now"
+    hold.done("s")
+
+
+def test_a_hold_finishing_on_the_readers_stream_joins_nothing() -> None:
+    """Reader mark and final release on one stream (not the producer's): no mark event, no wait; only the
+    release event is recorded (the producer is on another stream)."""
+    ring, ops = _ring(slots=1)
+    x = ring.acquire((4, 2))  # produced on "s"
+    hold = ring.hold(x)
+    ring.release_when_unsaved(x, "t")  # the forward reader on "t": an unrecorded mark
+    hold.done("t")
+    assert ops.log == [("record", ring._slots[0].eager_event, "t")] and ring.stats.gpu_waits == 0
+    assert ring._elide and ring.stats.late_records == 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import math
 import os
 import platform
@@ -67,6 +68,7 @@ PRESETS: dict[str, dict[str, int]] = {
 """Layer shapes by name (``tiny`` is the CPU default)."""
 
 SCHEDULES = ("sequential", "interleaved")
+GC_MODES = ("auto", "manual")
 METRICS = {
     "host_us": ("host µs / call (fwd + bwd)", "µs"),
     "fwd_host_us": ("host µs / forward", "µs"),
@@ -127,6 +129,15 @@ class LayerBenchConfig:
     (:mod:`bufreuse.bench.hook_time`; see :func:`_hook_time_arm`)."""
     hook_rounds: int = 3
     """Instrumented rounds per hooked arm (arms interleaved); the figure is their median, with the range."""
+    added_time: bool = True
+    """After the rounds, pairs of control / arm rounds with one span timer at the hooks' entry points in both:
+    the host µs the hooks add per layer call over the control (:mod:`bufreuse.bench.added_time`)."""
+    added_pairs: int = 8
+    gc: str = "auto"
+    """``auto`` (Python's cyclic collector runs when its thresholds say, inside whatever code is running) or
+    ``manual`` (as Megatron-LM's ``--manual-gc``, which large MoE recipes use: collected before each round, disabled
+    during it), so a collection does not land inside one arm's figures."""
+    """Control / arm round pairs per hooked arm for ``added_time`` (A B B A); >= 3 for an interval."""
 
 
 def layer_config(
@@ -183,6 +194,8 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
     """Refuse bad input before anything is built (InputError names the option); the device to use."""
     if cfg.spec not in ("local", "te"):
         raise InputError(f"--spec must be local or te, got {cfg.spec!r}")
+    if cfg.gc not in GC_MODES:
+        raise InputError(f"--gc must be one of {', '.join(GC_MODES)}, got {cfg.gc!r}")
     if cfg.precision not in ("bf16", "fp8"):
         raise InputError(f"--precision must be bf16 or fp8, got {cfg.precision!r}")
     if cfg.schedule not in SCHEDULES:
@@ -192,7 +205,8 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
     bad = [p for p in cfg.policies if p not in ARMS]
     if bad or not cfg.policies or len(set(cfg.policies)) != len(cfg.policies):
         raise InputError(f"--policies: a comma list of distinct {', '.join(ARMS)}, got {','.join(cfg.policies)!r}")
-    for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots", "hook_rounds"):
+    for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots", "hook_rounds",
+                 "added_pairs"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.rounds < 2 or cfg.rounds % 2:
@@ -442,7 +456,7 @@ def prepared(cfg: LayerBenchConfig, device: torch.device) -> Iterator[_Prepared]
 def _run_round(p: _Prepared, arm: str) -> dict[str, Any]:
     """Install ``arm`` (nothing for ``control``), one untimed schedule, ``steps`` timed ones, uninstall."""
     cfg, cuda = p.cfg, p.cuda
-    with _installed(p.layer, arm, cfg, p.device) as inst:
+    with _installed(p.layer, arm, cfg, p.device) as inst, _collector(cfg):
         p.layer.zero_grad(set_to_none=True)
         p.schedule()
         _sync(cuda)
@@ -499,6 +513,23 @@ def _schedule(
                 timing["events"].append((begin, end))
 
 
+@contextlib.contextmanager
+def _collector(cfg: LayerBenchConfig) -> Iterator[None]:
+    """``cfg.gc == "manual"``: collect now and keep the cyclic collector off for the block (Megatron's
+    ``--manual-gc``); ``auto``: nothing."""
+    if cfg.gc != "manual":
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
@@ -512,13 +543,21 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
     device = check_config(cfg)
     arms = ["control", *cfg.policies]
     order = round_order(arms, cfg.rounds, cfg.warmup)
+    total = len(order) + (2 * cfg.added_pairs * len(cfg.policies) if cfg.added_time else 0)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
     with prepared(cfg, device) as p:
         rounds = []
         for k, entry in enumerate(order):
             figures = _run_round(p, entry["arm"])
             rounds.append({"index": k, **entry, **figures})
-            if progress is not None:
-                progress(k + 1, len(order))
+            tick()
         profiles = {arm: _profile_arm(p, arm) for arm in arms} if cfg.profile else None
         hook_times = None
         if cfg.hook_time:
@@ -550,12 +589,82 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
                     else ""
                 ),
             }
+        added = _added_time(p, arms[1:], tick) if cfg.added_time else None
     result = _summarise(cfg, device, arms, rounds)
+    if added is not None:
+        result["added_time"] = added
     if profiles is not None:
         result["profile"] = _profile_summary(profiles)
     if hook_times is not None:
         result["hook_time"] = hook_times
     return result
+
+
+def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict[str, Any]:
+    """Per hooked arm: its entry points (one installation), then ``added_pairs`` control / arm round pairs with the
+    same span timer at those points in both (:mod:`bufreuse.bench.added_time`); arms with no entry point (the
+    as-installed arm at EP x ETP = 1) get none."""
+    from bufreuse.bench.added_time import SpanTimer, outside_points, pair_order, point_name, summarise_pairs
+
+    cfg, out = p.cfg, {}
+    timer = SpanTimer()
+    with outside_points(timer) as during:
+        for arm in arms:
+            with _installed(p.layer, arm, cfg, p.device) as inst:
+                seen: dict[tuple[int, str], tuple[Any, str]] = {}
+                for obj, attr in inst.entry_points:
+                    seen.setdefault((id(obj), attr), (obj, attr))
+                points = list(seen.values())
+            order = pair_order(cfg.added_pairs, arm)
+            if not points:
+                out[arm] = {"points": [], "entry_points": [], "note": "no hook entry point: nothing added"}
+                for _ in order:
+                    tick()
+                continue
+            rounds: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
+            for who in order:
+                rounds[who].append(_added_time_round(p, who, points, timer, during))
+                tick()
+            out[arm] = {
+                **summarise_pairs(rounds["control"], rounds[arm]),
+                "entry_points": [point_name(obj, attr) for obj, attr in points],
+            }
+    local = "; local spec: CatIntoRing.backward is counted without the CatBackward the control runs instead"
+    return {
+        "pairs": cfg.added_pairs,
+        "target_us": ADDED_TARGET_US,
+        "arms": out,
+        "note": "added host µs per layer call: the same span timer at the hooks' entry points (the stages they "
+        "override, the FC2 module's forward on the TE route) in the control and in the arm, rounds in pairs "
+        "A B B A; per pair the arm's µs less the control's (the timer's cost cancels, the control's own work there, "
+        "such as the FC2 allocation the ring replaces, is subtracted), mean over pairs with a 95% t interval; hook "
+        "code outside every point (autograd's unpack and the deferred release in backward, the Functions' "
+        "backward) is timed alike and counted in full" + (local if cfg.spec == "local" else ""),
+    }
+
+
+ADDED_TARGET_US = 10.0
+"""The host time a ring's hooks may add per layer call over the control (issue 26's target), read by the verdict."""
+
+
+def _added_time_round(
+    p: _Prepared, arm: str, points: list[tuple[Any, str]], timer: Any, during: Callable[[], Any]
+) -> dict[str, Any]:
+    """One round of ``arm`` (or the control) with the span timer at ``points``: µs per layer call, by point."""
+    from bufreuse.bench.added_time import spanned
+
+    cfg = p.cfg
+    with _installed(p.layer, arm, cfg, p.device, during), spanned(points, timer), _collector(cfg):
+        p.layer.zero_grad(set_to_none=True)
+        p.schedule()
+        _sync(p.cuda)
+        timer.reset()
+        for _ in range(cfg.steps):
+            p.schedule()
+        _sync(p.cuda)
+        by_point = {name: ns for name, (ns, _calls) in timer.by_point.items()}
+    calls = cfg.steps * cfg.microbatches
+    return {"us": sum(by_point.values()) / calls / 1e3, "by_point": {n: ns / calls / 1e3 for n, ns in by_point.items()}}
 
 
 def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: bool = False) -> dict[str, Any]:
@@ -569,7 +678,7 @@ def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: boo
 
     cfg = p.cfg
     clock = HookClock(empty=empty)
-    with instrumented(clock) as during, _installed(p.layer, arm, cfg, p.device, during):
+    with instrumented(clock) as during, _installed(p.layer, arm, cfg, p.device, during), _collector(cfg):
         p.schedule()
         _sync(p.cuda)
         p.layer.zero_grad(set_to_none=True)

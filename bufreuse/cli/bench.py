@@ -150,6 +150,25 @@ def layer(
     hook_rounds: Annotated[
         int, typer.Option(help="Instrumented rounds per hooked arm for --hook-time (median, with the range).")
     ] = 3,
+    added_time: Annotated[
+        bool,
+        typer.Option(
+            "--added-time/--no-added-time",
+            help="After the rounds, pairs of control and arm rounds with one span timer at the hooks' entry points "
+            "in both: the host µs the hooks add per layer call over the control, with a 95% interval.",
+        ),
+    ] = True,
+    added_pairs: Annotated[
+        int, typer.Option(help="Control / arm round pairs per hooked arm for --added-time (A B B A).")
+    ] = 8,
+    gc_mode: Annotated[
+        str,
+        typer.Option(
+            "--gc",
+            help="auto (Python's collector runs when it will) or manual (collected before each round, off during "
+            "it: Megatron-LM's --manual-gc, as large MoE recipes run).",
+        ),
+    ] = "auto",
     json_out: Annotated[bool, json_option()] = False,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON result to this file (atomically).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the per-round ratios as a PNG to this file.")] = None,
@@ -179,6 +198,9 @@ def layer(
         profile=profile,
         hook_time=hook_time,
         hook_rounds=hook_rounds,
+        added_time=added_time,
+        added_pairs=added_pairs,
+        gc=gc_mode,
     )
     # --profile: no refresh thread (on Python >= 3.12 cProfile counts every thread's calls)
     with progress_bar("bench layer rounds", refresh_thread=not profile) as tick:

@@ -453,6 +453,9 @@ class Installation:
     """Ring name -> the depth an ``auto`` ring was registered at (the planner's figure, or the default)."""
     unused: dict[str, str] = field(default_factory=dict)
     """Ring name -> why an enabled buffer is left alone (nothing to replace), logged once."""
+    entry_points: list[tuple[Any, str]] = field(default_factory=list)
+    """``(object, attribute)`` where a call enters the hooks: each callable override, and ``forward`` of each module
+    the TE route switched (what ``bench layer --added-time`` times in every arm alike)."""
     _mixed: set[str] = field(default_factory=set)
     _checked: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list)
@@ -517,6 +520,8 @@ class Installation:
             stand_in = INSTRUMENT.empty and callable(current)
             value = INSTRUMENT.stand_in(INSTRUMENT.original(current)) if stand_in else INSTRUMENT.hook(value)
         setattr(obj, attr, value)
+        if callable(value):
+            self.entry_points.append((obj, attr))
 
         def undo() -> None:
             if had:
@@ -666,6 +671,7 @@ class Installation:
                 self.pool.settle()
         while self._undo:
             self._undo.pop()()
+        self.entry_points.clear()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
             if not _ACTIVE:

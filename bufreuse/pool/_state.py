@@ -62,11 +62,13 @@ class RingStats:
     grown: int = 0
     """Slots added by ``num_slots='auto'`` growth."""
     elided_events: int = 0
-    """Eager releases on the stream that produced the slot, which recorded no event (stream order protects
-    the next producer on that stream, as the caching allocator's same-stream free)."""
+    """Events not recorded: eager releases on the stream that produced the slot (stream order protects the
+    next producer on that stream, as the caching allocator's same-stream free), and the marks of a deferred
+    slot's readers (a reader on the stream of the final release is ordered before it by that stream)."""
     late_records: int = 0
-    """Elided release events recorded after all: a next producer on another stream (after the first, the ring
-    records at every release) or a capture stream joining the slot before capture."""
+    """Elided events recorded after all: a next producer on another stream (after the first, the ring
+    records at every release) or a capture stream joining the slot before capture; a reader's mark whose
+    final release came on another stream."""
 
 
 class _Slot:
@@ -103,7 +105,7 @@ class _Slot:
         self.saved_refs = 0  # live autograd-saved references (track_saved)
         self.holds = 0  # active Hold objects
         self.pending = False  # release_when_unsaved called; released when saved_refs == holds == 0
-        self.marks: list[tuple[Any, Any]] = []  # (stream, event) of readers the final release must join
+        self.marks: list[tuple[Any, Any, bool]] = []  # (stream, event, not yet recorded) of readers to join
 
     def state(self) -> str:
         """Who holds the slot, for error messages."""

@@ -170,6 +170,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         self._elided = 0
         self._deferred_elided = 0  # written under the lock by the thread that frees a deferred slot's last reader
         self._late_records = 0
+        self._marks_elided = 0  # reader marks of deferred slots not recorded (written under the lock)
+        self._marks_late = 0  # ... recorded late after all: the final release came on another stream
         self._poison_value = poison_value(dtype)
         self.poisoned = 0
         """Slot fills done by debug-mode poisoning (0 in production mode: it does no extra work)."""
@@ -400,8 +402,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             fallback_allocations=self._fallbacks,
             settled_slots=self.num_slots,
             grown=self._grown,
-            elided_events=self._elided + self._deferred_elided,
-            late_records=self._late_records,
+            elided_events=self._elided + self._deferred_elided + self._marks_elided,
+            late_records=self._late_records + self._marks_late,
         )
 
     @property
@@ -429,8 +431,10 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         """
         waits = 0
         if slot.marks:
-            for mark_stream, event in slot.marks:
+            for mark_stream, event, late in slot.marks:
                 if mark_stream is not stream:
+                    if late:  # an unrecorded reader mark (``_mark``): recorded now on the reader's stream
+                        self._record_late_mark(event, mark_stream)
                     self._ops.wait(event, stream)
                     waits += 1
                 self._spare_events.append(event)
@@ -470,6 +474,16 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         if switch:
             self._elide = False
         self._late_records += 1
+
+    def _record_late_mark(self, event: Any, stream: Any) -> None:
+        """Record a reader's elided mark on its ``stream`` now (the final release came on another stream).
+
+        Like :meth:`_record_late`: conservative, and the ring records its marks (and releases) from then on.
+        """
+        self._ops.record(event, stream)
+        with self._lock:  # the deferred path holds it already (reentrant); release() may not
+            self._marks_late += 1
+            self._elide = False
 
     def _poison(self, slot: _Slot, stream: Any) -> None:
         """Debug mode: fill the freed slot so a stale reader sees NaN (or all-ones integers), not old data.

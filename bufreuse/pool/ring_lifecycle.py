@@ -195,7 +195,7 @@ class RingLifecycle:
             slot.saved_refs = 0
             slot.holds = 0
             slot.pending = False
-            self._spare_events.extend(event for _, event in slot.marks)
+            self._spare_events.extend(event for _, event, _late in slot.marks)
             slot.marks.clear()
         self._by_id.clear()
         self._gen_tags.clear()

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bufreuse.pool._device import saved_hooks_push_pop
-from bufreuse.pool._state import StorageIndex
+from bufreuse.pool._state import Phase, StorageIndex
 from bufreuse.pool.errors import SavedForBackwardError
 
 if TYPE_CHECKING:
@@ -143,6 +143,9 @@ class SavedRefCounting:
     _spare_events: list[Any]
     _deferred_freed: int
     _deferred_waits: int
+    _elide: bool
+    _phase: Phase
+    _marks_elided: int
 
     def _track(self, tensor: torch.Tensor, ptr: int, strict: bool) -> Any:
         with self._lock:
@@ -189,13 +192,24 @@ class SavedRefCounting:
             self._mark(slot, stream)  # the final release joins this reader's stream
 
     def _mark(self, slot: _Slot, stream: Any) -> None:
-        for mark_stream, event in slot.marks:
+        """A reader on ``stream`` is done with ``slot`` (a deferred slot): the final release must follow it.
+
+        Eager, the mark's event is not recorded now (``late``): if the final release comes on ``stream`` too,
+        stream order covers the reader and nothing is recorded; on another stream, ``_record_release`` records
+        it then, on ``stream``, before waiting (conservative: it may also cover later work there).
+        """
+        for mark_stream, event, late in slot.marks:
             if mark_stream is stream:  # re-recording on the same stream still covers the earlier reads
-                self._ops.record(event, stream)
+                if not late:
+                    self._ops.record(event, stream)
                 return
         event = self._spare_events.pop() if self._spare_events else self._ops.new_event()
+        if self._elide and self._phase is Phase.EAGER:
+            slot.marks.append((stream, event, True))
+            self._marks_elided += 1
+            return
         self._ops.record(event, stream)
-        slot.marks.append((stream, event))
+        slot.marks.append((stream, event, False))
 
 
 class SavedTracker:

@@ -35,6 +35,7 @@ def _title(result: dict[str, Any]) -> str:
         f"{c['microbatches']} microbatches × {c['steps']} per round; {result['config']['rounds']} rounds per arm "
         f"(A B B A, {c['warmup']} warm-up dropped); {where}, torch {env['torch']}, megatron-core {env['megatron_core']}"
         + (f", TE {env['transformer_engine']}" if c["spec"] == "te" else "")
+        + ("; garbage collector manual (collected before each round, off during it)" if c.get("gc") == "manual" else "")
         + "; EP = 1: the policy arms exercise the expert ring as where it is used (production, the as-installed "
         "arm, uses no ring at EP × ETP = 1)"
     )
@@ -181,11 +182,50 @@ def _hook_time_table(hook_time: dict[str, Any]) -> Table:
     return table
 
 
+def _added_verdict(a: dict[str, Any], target: float) -> str:
+    """Against the target: met when the whole interval is at or below it, not met when wholly above."""
+    lo, hi = a.get("ci_low_us"), a.get("ci_high_us")
+    if lo is None or hi is None:
+        return "inconclusive (< 3 pairs)"
+    if hi <= target:
+        return f"≤ {target:g} µs: met"
+    if lo > target:
+        return f"≤ {target:g} µs: not met"
+    return "inconclusive"
+
+
+def _added_time_table(added: dict[str, Any]) -> Table:
+    """Per hooked arm: host µs added per layer call over the control at the hooks' entry points, with its
+    interval, and each point's share."""
+    target = added.get("target_us", 10.0)
+    table = Table(
+        title=f"Host time added per layer call over the control ({added['pairs']} pairs of rounds, A B B A, "
+        "one span timer at the hooks' entry points in both arms)",
+        title_justify="left",
+    )
+    for col in ("arm", "added µs", "95% CI", "verdict", "control µs at the points", "arm µs at the points"):
+        table.add_column(col, justify="left" if col in ("arm", "verdict") else "right")
+    for arm, a in added["arms"].items():
+        if not a.get("points"):
+            table.add_row(arm, "—", "—", a.get("note", ""), "—", "—")
+            continue
+        ci = f"[{a['ci_low_us']:+.1f}, {a['ci_high_us']:+.1f}]" if a.get("ci_low_us") is not None else "—"
+        table.add_row(arm, f"{a['added_us']:+.1f}", ci, _added_verdict(a, target), f"{a['control_us']:.1f}",
+                      f"{a['arm_us']:.1f}")  # fmt: skip
+    for arm, a in added["arms"].items():
+        for row in a.get("points", []):
+            table.add_row(f"  {arm}: {row['point']}", f"{row['added_us']:+.1f}", "", "", f"{row['control_us']:.1f}",
+                          f"{row['arm_us']:.1f}")  # fmt: skip
+    return table
+
+
 def layer_bench_renderable(result: dict[str, Any]) -> Group:
     """The per-arm figures, the ratio table (with the control's drift), the profile (``--profile``) and notes."""
     parts: list[Any] = [_figures_table(result), _ratio_table(result)]
     if result.get("hook_time"):
         parts.append(_hook_time_table(result["hook_time"]))
+    if result.get("added_time"):
+        parts.append(_added_time_table(result["added_time"]))
     if result.get("profile"):
         parts += [_profile_table(result["profile"]), *_profile_top(result["profile"])]
     notes = []
@@ -197,6 +237,8 @@ def layer_bench_renderable(result: dict[str, Any]) -> Group:
             notes.append(f"{arm}: {judged['note']}")
     if result.get("hook_time"):
         notes.append(result["hook_time"]["note"])
+    if result.get("added_time"):
+        notes.append(result["added_time"]["note"])
     if result.get("profile"):
         notes.append(result["profile"]["note"])
     parts += [Text.assemble(("note: ", "yellow"), n) for n in notes]

@@ -206,6 +206,7 @@ def route_into_ring(installation: Any, module: Any, route: Fc2Route) -> None:
     routed = routing_class(cls, forward)
     installation.override(module, ROUTE, route)
     module.__class__ = routed
+    installation.entry_points.append((module, "forward"))
 
     def restore() -> None:
         if type(module) is routed:

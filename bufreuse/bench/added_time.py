@@ -1,0 +1,189 @@
+"""Host time the hooks add per layer call over the control: one timer, the same in both arms.
+
+The hook clock (:mod:`bufreuse.bench.hook_time`) charges the hooks' own frames: its cost at every
+boundary, cold, stays in that figure, and what the control does instead (TE's allocation of the FC2
+output, the stage megatron runs itself) is not subtracted. This measures the difference of the arms
+instead. The points where a call enters the hooks (``Installation.entry_points``: the overridden stages,
+``forward`` of the FC2 module the TE route switched) are learnt from one installation of the arm; then,
+in rounds of the control and of the arm in A B B A order, the same span timer wraps those points in
+both arms (the outermost span on the calling thread only: nested points are inside it). The timer's
+cost is the same in both arms and cancels, and the control's own work at those points (the allocation
+the ring replaces) is in the control's figure. Hook code that runs outside every point exists in the
+hooked arm only and is timed by the same timer and added in full: autograd's unpack of a saved slot and
+the saved-reference holder's ``__del__`` (the deferred release) in backward, and the autograd Functions'
+backward (the local spec's, whose control counterpart, a ``CatBackward``, is then not subtracted).
+
+Per pair of rounds the figure is the arm's µs per layer call less its neighbouring control round's; the
+mean over pairs has a 95% t interval. Class-level patches shared by installations (the release-path
+patches of combined 1F1B, not called by a single layer) are not points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["SpanTimer", "outside_points", "pair_order", "spanned", "summarise_pairs"]
+
+
+class SpanTimer:
+    """Host ns inside wrapped points, outermost span per thread only, by point name; thread-safe totals."""
+
+    def __init__(self) -> None:
+        self._t = threading.local()
+        self._lock = threading.Lock()
+        self.by_point: dict[str, list[int]] = {}
+        """Point name -> [ns, calls]."""
+
+    def reset(self) -> None:
+        """Forget what was timed (call it with no span open)."""
+        with self._lock:
+            self.by_point = {}
+
+    @property
+    def ns(self) -> int:
+        """Total ns over every point."""
+        return sum(row[0] for row in self.by_point.values())
+
+    def _add(self, name: str, ns: int) -> None:
+        with self._lock:
+            row = self.by_point.get(name)
+            if row is None:
+                row = self.by_point[name] = [0, 0]
+            row[0] += ns
+            row[1] += 1
+
+    def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``fn`` timed as point ``name`` unless a span is already open on this thread."""
+        clock, t, add = time.perf_counter_ns, self._t, self._add
+
+        def span(*args: Any, **kwargs: Any) -> Any:
+            if getattr(t, "inside", False):
+                return fn(*args, **kwargs)
+            t.inside = True
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns = clock() - start
+                t.inside = False
+                add(name, ns)
+
+        return span
+
+
+def point_name(obj: Any, attr: str) -> str:
+    """``Class.attr`` (the TE route's switched class keeps its class's name, so both arms name a point alike)."""
+    return f"{type(obj).__name__}.{attr}"
+
+
+@contextlib.contextmanager
+def spanned(points: list[tuple[Any, str]], timer: SpanTimer) -> Iterator[None]:
+    """Wrap each ``(object, attribute)`` (whatever it is now: the class's method, or an arm's hook) for the block.
+
+    Leave the block before uninstalling an arm: an installation's undo would otherwise remove the wrapper and
+    the wrapper's undo put the hook back.
+    """
+    undo: list[Callable[[], None]] = []
+    try:
+        for obj, attr in points:
+            own = vars(obj)
+            had, old = attr in own, own.get(attr)
+            setattr(obj, attr, timer.wrap(getattr(obj, attr), point_name(obj, attr)))
+            undo.append(
+                (lambda o=obj, a=attr, v=old: setattr(o, a, v)) if had else (lambda o=obj, a=attr: delattr(o, a))
+            )
+        yield
+    finally:
+        while undo:
+            undo.pop()()
+
+
+@contextlib.contextmanager
+def outside_points(timer: SpanTimer) -> Iterator[Callable[[], Any]]:
+    """Time the hook code no point encloses (see the module docstring) for the block; yields ``during()``, a
+    context to open around ``install()`` (pools built inside get a timed unpack)."""
+    from bufreuse.integrations.alltoall import functions
+    from bufreuse.pool import tracking
+
+    undo: list[Callable[[], None]] = []
+
+    def patch(obj: Any, attr: str, value: Any) -> None:
+        old = vars(obj)[attr]
+        setattr(obj, attr, value)
+        undo.append(lambda: setattr(obj, attr, old))
+
+    unbound_del = tracking._SavedRef.__del__
+    patch(tracking._SavedRef, "__del__", timer.wrap(unbound_del, "saved-reference release (__del__)"))
+    for fn_cls in (functions.RingAllToAll, functions.CatIntoRing):
+        backward = vars(fn_cls)["backward"].__func__
+        patch(fn_cls, "backward", staticmethod(timer.wrap(backward, f"{fn_cls.__name__}.backward")))
+
+    @contextlib.contextmanager
+    def during() -> Iterator[None]:
+        pack_unpack = tracking._pack_unpack
+
+        def timed_pair(registry: Any, strict: bool) -> tuple[Any, Any]:
+            pack, unpack = pack_unpack(registry, strict)
+            return pack, timer.wrap(unpack, "saved-tensor unpack")
+
+        tracking._pack_unpack = timed_pair
+        try:
+            yield
+        finally:
+            tracking._pack_unpack = pack_unpack
+
+    try:
+        yield during
+    finally:
+        while undo:
+            undo.pop()()
+
+
+def pair_order(pairs: int, arm: str) -> list[str]:
+    """Rounds of ``pairs`` control/arm pairs in A B B A order: C A A C C A ..."""
+    out: list[str] = []
+    for k in range(pairs):
+        out += ["control", arm] if k % 2 == 0 else [arm, "control"]
+    return out
+
+
+def summarise_pairs(control: list[dict[str, Any]], arm: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pairs of rounds (``us`` per layer call, ``by_point``) -> the mean added µs, its 95% t interval, per point.
+
+    ``control[k]`` and ``arm[k]`` are the k-th pair. The interval is the one-sample t interval of the paired
+    differences (``mean_diff_interval`` against a constant side).
+    """
+    from bufreuse.analysis.runs.stats import mean_diff_interval
+
+    diffs = [a["us"] - c["us"] for c, a in zip(control, arm, strict=True)]
+    ci = mean_diff_interval([0.0] * len(diffs), diffs)
+    names = sorted({n for r in control + arm for n in r["by_point"]})
+
+    def mean_of(rounds: list[dict[str, Any]], name: str) -> float:
+        return statistics.fmean(r["by_point"].get(name, 0.0) for r in rounds)
+
+    points = [
+        {
+            "point": name,
+            "control_us": mean_of(control, name),
+            "arm_us": mean_of(arm, name),
+            "added_us": mean_of(arm, name) - mean_of(control, name),
+        }
+        for name in names
+    ]
+    return {
+        "added_us": statistics.fmean(diffs),
+        "ci_low_us": ci[0] if ci else None,
+        "ci_high_us": ci[1] if ci else None,
+        "median_us": statistics.median(diffs),
+        "pairs": len(diffs),
+        "pair_added_us": diffs,
+        "control_us": statistics.fmean(c["us"] for c in control),
+        "arm_us": statistics.fmean(a["us"] for a in arm),
+        "points": sorted(points, key=lambda row: -abs(row["added_us"])),
+    }

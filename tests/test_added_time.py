@@ -1,0 +1,135 @@
+"""The host time the hooks add over the control (``bufreuse bench layer --added-time``).
+
+The span timer is checked against busy-waits (the outermost span is timed once, nested points are inside it;
+the wrapped attributes come back as they were), the pair statistics against hand-computed values, and the whole
+measurement on the real tiny CPU layer: a wait injected into the hooks' own code raises the added figure by that
+wait, the same wait in the megatron stage both arms run does not move it, and an arm with no hook entry point
+(the production rule at EP = 1) gets no figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import threading
+import time
+
+import pytest
+
+from bufreuse.bench.added_time import SpanTimer, pair_order, spanned, summarise_pairs
+
+WAIT_US = 400
+LAYER_WAIT_US = 5000
+"""Beside the spans of a tiny CPU layer call (the local spec's SequentialMLP forward: 250-2,500 µs on the CPU box,
+paired rounds differing by up to ±500 µs)."""
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_outermost_span_is_timed_once_and_nested_points_are_inside_it() -> None:
+    timer = SpanTimer()
+    inner = timer.wrap(lambda: _spin(WAIT_US), "inner")
+    outer = timer.wrap(lambda: (_spin(WAIT_US), inner()), "outer")
+    outer()
+    assert set(timer.by_point) == {"outer"} and timer.by_point["outer"][1] == 1
+    assert 2 * WAIT_US <= timer.ns / 1e3 < 3 * WAIT_US  # both waits, once (counted twice it would be >= 3)
+    # positive control: the inner point on its own is timed as itself
+    inner()
+    assert timer.by_point["inner"][1] == 1 and timer.by_point["inner"][0] / 1e3 >= WAIT_US
+
+
+def test_spans_on_another_thread_are_their_own_outermost() -> None:
+    timer = SpanTimer()
+    inner = timer.wrap(lambda: _spin(WAIT_US), "other thread")
+
+    def outer_body() -> None:
+        worker = threading.Thread(target=inner)  # autograd's device thread runs unpack / __del__ like this
+        worker.start()
+        worker.join()
+
+    timer.wrap(outer_body, "main")()
+    assert set(timer.by_point) == {"main", "other thread"} and timer.by_point["other thread"][0] / 1e3 >= WAIT_US
+
+
+def test_spanned_wraps_what_is_there_and_puts_it_back() -> None:
+    class Stage:
+        def run(self) -> str:
+            return "class"
+
+    hooked, plain = Stage(), Stage()
+    hooked.run = lambda: "hook"  # an arm's instance override
+    timer = SpanTimer()
+    with spanned([(hooked, "run"), (plain, "run")], timer):
+        assert hooked.run() == "hook" and plain.run() == "class"
+        assert timer.by_point["Stage.run"][1] == 2
+    assert hooked.run() == "hook" and "run" not in vars(plain) and plain.run() == "class"
+
+
+def test_pairs_alternate_control_first_and_the_interval_is_the_paired_t_interval() -> None:
+    assert pair_order(3, "ring") == ["control", "ring", "ring", "control", "control", "ring"]
+    control = [{"us": c, "by_point": {"p": c}} for c in (100.0, 104.0, 98.0, 101.0)]
+    arm = [{"us": a, "by_point": {"p": a - 3.0, "unpack": 3.0}} for a in (106.0, 112.0, 103.0, 109.0)]
+    got = summarise_pairs(control, arm)
+    diffs = [6.0, 8.0, 5.0, 8.0]
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    half = 3.182446 * sd / math.sqrt(len(diffs))  # t(0.975, df 3)
+    assert got["added_us"] == pytest.approx(mean) and got["pair_added_us"] == diffs
+    assert got["ci_low_us"] == pytest.approx(mean - half, rel=0.02)
+    assert got["ci_high_us"] == pytest.approx(mean + half, rel=0.02)
+    points = {row["point"]: row for row in got["points"]}
+    assert points["unpack"]["added_us"] == pytest.approx(3.0) and points["unpack"]["control_us"] == 0.0
+    assert points["p"]["added_us"] == pytest.approx(mean - 3.0)
+
+
+pytest.importorskip("megatron.core")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from bufreuse.cli import app  # noqa: E402
+
+runner = CliRunner()
+FAST = ["--preset", "tiny", "--device", "cpu", "--microbatches", "2", "--steps", "2", "--rounds", "2",
+        "--warmup", "0", "--no-hook-time", "--added-pairs", "4", "--json"]  # fmt: skip
+
+
+def _added(*extra: str) -> dict:
+    result = runner.invoke(app, ["bench", "layer", *FAST, *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["added_time"]
+
+
+def test_added_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatch) -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    from bufreuse.integrations import core
+
+    base = _added("--policies", "ring,as-installed")
+    ring = base["arms"]["ring"]
+    assert set(ring["entry_points"]) == {"SequentialMLP.forward", "MoEAlltoAllTokenDispatcher.combine_postprocess"}
+    assert ring["pairs"] == 4 and ring["ci_low_us"] is not None
+    points = {row["point"]: row for row in ring["points"]}
+    assert points["saved-tensor unpack"]["control_us"] == 0 < points["saved-tensor unpack"]["arm_us"]
+    assert points["MoEAlltoAllTokenDispatcher.combine_postprocess"]["control_us"] > 0  # timed in the control too
+    assert base["arms"]["as-installed"]["entry_points"] == []  # EP x ETP = 1: no hook, no figure
+
+    # a wait in megatron's combine stage runs in both arms: the difference does not move
+    stage = D.combine_postprocess
+    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
+    slow_megatron = _added()["arms"]["ring"]
+    monkeypatch.setattr(D, "combine_postprocess", stage)
+    # the same wait inside the hook's own code (the release after that stage) runs in the arm only
+    release = core.Held.release
+    monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(LAYER_WAIT_US), release(self, *a))[1])
+    slow_hook = _added()["arms"]["ring"]
+
+    stage_point = "MoEAlltoAllTokenDispatcher.combine_postprocess"
+    assert slow_megatron["points"] and {r["point"]: r for r in slow_megatron["points"]}[stage_point]["control_us"] > (
+        0.8 * LAYER_WAIT_US
+    )
+    assert abs(slow_megatron["added_us"] - ring["added_us"]) < 0.5 * LAYER_WAIT_US
+    assert slow_hook["added_us"] - ring["added_us"] > 0.8 * LAYER_WAIT_US
