@@ -12,6 +12,8 @@
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
 #                                               # Megatron-LM A/B rounds ROUND_FROM..ROUND_TO (default families
 #                                               # gb-te-pad gb-te-graph), ITERS=60 per run, logs tarred
+#   bash scripts/h200-evidence.sh prof FAMILY...  # torch-profiler runs control, rings, rings, control of each
+#                                               # family and their trace_summary comparisons (PROF_ITERS ...)
 # Compare locally afterwards: OUT=<untarred logs> ROUNDS=R WARMUP=10 bash scripts/megatron-ab.sh --compare-only F...
 # and pool sessions: python3 scripts/megatron_ab_summary.py --family F --pool DIR1 DIR2 ...
 set -uo pipefail
@@ -100,6 +102,30 @@ case $stage in
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"
+    done
+    ;;
+  prof)
+    # FAMILY...: torch-profiler runs control, rings, rings, control (examples/megatron-h200/run.sh prof-*), then
+    # scripts/trace_summary.py: each rings run against its neighbouring control, and control against control
+    te_env
+    export MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-.mlm} LAUNCHER=${LAUNCHER:-torchrun}
+    for f in "$@"; do
+      k=0
+      for arm in control rings rings control; do
+        k=$((k + 1))
+        log "prof $f-$arm ($k)"
+        OUT=$work LIMIT=${PROF_LIMIT:-150} bash examples/megatron-h200/run.sh "prof-$f-$arm@prof-$f-$k-$arm" \
+          >/dev/null 2>&1 || log "prof $f-$arm exit $?"
+      done
+      t() { echo "$work/prof-$f-$1/torch_profile/rank-0.json.gz"; }
+      python3 scripts/trace_summary.py --compare "$(t 1-control)" "$(t 2-rings)" --json "$work/trace-$f-c1-r2.json" \
+        >"$work/trace-$f-c1-r2.txt" 2>&1
+      python3 scripts/trace_summary.py --compare "$(t 4-control)" "$(t 3-rings)" --json "$work/trace-$f-c4-r3.json" \
+        >"$work/trace-$f-c4-r3.txt" 2>&1
+      python3 scripts/trace_summary.py --compare "$(t 1-control)" "$(t 4-control)" --json "$work/trace-$f-c1-c4.json" \
+        >"$work/trace-$f-c1-c4.txt" 2>&1
+      for k in 1-control 2-rings 3-rings 4-control; do mv "$(t $k)" "$work/trace-$f-$k.json.gz" 2>/dev/null; done
+      rm -rf "$work"/prof-"$f"-*/  # the traces moved out; tensorboard's folders are empty
     done
     ;;
   ab)

@@ -19,6 +19,10 @@
 #      Every family runs at EP = 1, where install() leaves both rings unused (nothing to replace); the rings
 #      arms add --moe-bufreuse-ring-single-rank-expert so the expert ring runs as it does where it is used.
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
+#      prof-<run>                           a short <run> (PROF_ITERS, default 14) under the torch profiler for
+#                                           iterations PROF_START..PROF_END-1 (default 10, 11): OUT/prof-<run>/
+#                                           torch_profile/rank-0.json.gz (summarise: scripts/trace_summary.py);
+#                                           prof-<run>@<log> writes OUT/<log>.log and OUT/<log>/
 #      ab-<family>                          A B A B: <family>-control, <family>-rings, twice (family:
 #                                           local, te, te-fp8, gb-te, ...), logs <family>-control-1 ...
 #      <run>@<log>                          <run>, logged as OUT/<log>.log (scripts/megatron-ab.sh uses it)
@@ -149,6 +153,17 @@ for name in "${names[@]}"; do
       extra=$(spec "$base") || { echo "unknown run $base" >&2; status=2; continue; }
       # shellcheck disable=SC2086
       run "$name" 16 "${LIMIT:-240}" "$(shape "$base")" $extra --record-memory-history --memory-snapshot-path "$out/$name.pickle" ;;
+    prof-*)
+      # torch profiler over iterations PROF_START..PROF_END-1 of a PROF_ITERS run (Megatron's --profile
+      # --use-pytorch-profiler); the Chrome trace lands in OUT/<name>/torch_profile/rank-0.json.gz, which
+      # scripts/trace_summary.py reads
+      base=${name#prof-} log=$name
+      if [[ $base == *@* ]]; then log=${base#*@}; base=${base%%@*}; fi  # prof-<run>@<log>: logged as <log>
+      extra=$(spec "$base") || { echo "unknown run $base" >&2; status=2; continue; }
+      # shellcheck disable=SC2086
+      run "$log" "${PROF_ITERS:-14}" "${LIMIT:-240}" "$(shape "$base")" $extra --profile --use-pytorch-profiler \
+        --profile-step-start "${PROF_START:-10}" --profile-step-end "${PROF_END:-12}" --profile-ranks 0 \
+        --tensorboard-dir "$out/$log/tb" || status=2 ;;
     ab-*)
       family=${name#ab-}
       prefix=$family

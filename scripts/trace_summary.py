@@ -1,0 +1,156 @@
+"""Summarise a torch-profiler Chrome trace (Megatron's ``--use-pytorch-profiler``), or compare two: where a step's
+time goes on the GPU (kernels by name, copies, idle time) and on the host (CUDA runtime calls, operator count).
+
+    python scripts/trace_summary.py TRACE.json.gz [--json out.json]
+    python scripts/trace_summary.py --compare CONTROL.json.gz RINGS.json.gz [--json out.json] [--top 25]
+
+Per profiled step (``ProfilerStep#N`` spans): the step's host wall time; GPU kernel / memcpy / memset time and
+counts; GPU busy time (the union of those intervals over every stream, inside the steps) and idle time (the steps'
+span less busy); CUDA runtime calls by name (count, host µs) and the operator count. ``--compare`` prints the
+second trace less the first, per step, and the kernels and runtime calls whose totals moved most. Reads the trace
+as JSON (gzip or plain), never executes anything from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str | Path) -> list[dict[str, Any]]:
+    """The trace's complete events (``ph == "X"``)."""
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    data = json.loads(raw)
+    events = data.get("traceEvents", data) if isinstance(data, dict) else data
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-step figures of one trace, normalised per profiled step."""
+    # the host's step spans (kineto also projects them onto each GPU stream as gpu_user_annotation: not steps)
+    steps = [
+        e
+        for e in events
+        if str(e.get("name", "")).startswith("ProfilerStep#") and not str(e.get("cat", "")).startswith("gpu")
+    ]
+    if not steps:
+        raise SystemExit("no ProfilerStep# spans in the trace (was it recorded with a profiler schedule?)")
+    lo = min(float(s["ts"]) for s in steps)
+    hi = max(float(s["ts"]) + float(s["dur"]) for s in steps)
+    n = len(steps)
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    gpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    busy: list[tuple[float, float]] = []
+    ops = 0
+    for e in events:
+        cat = e.get("cat")
+        ts, dur = float(e["ts"]), float(e["dur"])
+        if cat in GPU_CATS:
+            # GPU work overlapping the steps (it may end after the last step's host span: kept)
+            if ts + dur < lo or ts > hi + 1e6:
+                continue
+            gpu[cat][0] += dur
+            gpu[cat][1] += 1
+            busy.append((ts, ts + dur))
+            if cat == "kernel":
+                row = kernels[str(e.get("name", "?"))[:160]]
+                row[0] += dur
+                row[1] += 1
+        elif lo <= ts <= hi:
+            if cat in ("cuda_runtime", "cuda_driver"):
+                row = runtime[str(e.get("name", "?"))]
+                row[0] += dur
+                row[1] += 1
+            elif cat == "cpu_op":
+                ops += 1
+    window_hi = max([hi] + [b for _a, b in busy])
+    busy_us = _union(busy)
+    return {
+        "steps": n,
+        "step_wall_ms": sum(float(s["dur"]) for s in steps) / n / 1e3,
+        "gpu_busy_ms": busy_us / n / 1e3,
+        "gpu_idle_ms": (window_hi - lo - busy_us) / n / 1e3,
+        "gpu": {cat: {"ms": v[0] / n / 1e3, "count": v[1] / n} for cat, v in sorted(gpu.items())},
+        "cpu_ops": ops / n,
+        "kernels": {k: {"ms": v[0] / n / 1e3, "count": v[1] / n} for k, v in kernels.items()},
+        "runtime": {k: {"ms": v[0] / n / 1e3, "count": v[1] / n} for k, v in runtime.items()},
+    }
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], top: int = 25) -> dict[str, Any]:
+    """``b`` less ``a``: the step figures, and the kernels / runtime calls whose per-step totals moved most."""
+
+    def deltas(key: str) -> list[dict[str, Any]]:
+        rows = []
+        for name in set(a[key]) | set(b[key]):
+            x, y = a[key].get(name, {"ms": 0.0, "count": 0.0}), b[key].get(name, {"ms": 0.0, "count": 0.0})
+            rows.append({"name": name, "a_ms": x["ms"], "b_ms": y["ms"], "delta_ms": y["ms"] - x["ms"],
+                         "a_count": x["count"], "b_count": y["count"]})  # fmt: skip
+        rows.sort(key=lambda r: -abs(r["delta_ms"]))
+        return rows[:top]
+
+    figures = {}
+    for key in ("step_wall_ms", "gpu_busy_ms", "gpu_idle_ms", "cpu_ops"):
+        figures[key] = {"a": a[key], "b": b[key], "delta": b[key] - a[key]}
+    for cat in sorted(set(a["gpu"]) | set(b["gpu"])):
+        x, y = a["gpu"].get(cat, {"ms": 0.0, "count": 0.0}), b["gpu"].get(cat, {"ms": 0.0, "count": 0.0})
+        figures[f"{cat}_ms"] = {"a": x["ms"], "b": y["ms"], "delta": y["ms"] - x["ms"]}
+        figures[f"{cat}_count"] = {"a": x["count"], "b": y["count"], "delta": y["count"] - x["count"]}
+    return {"figures": figures, "kernels": deltas("kernels"), "runtime": deltas("runtime")}
+
+
+def _print_compare(c: dict[str, Any], names: tuple[str, str]) -> None:
+    print(f"per profiled step: B = {names[1]} less A = {names[0]}")
+    for key, f in c["figures"].items():
+        print(f"  {key:<22} A {f['a']:12.3f}  B {f['b']:12.3f}  B-A {f['delta']:+10.3f}")
+    for what in ("kernels", "runtime"):
+        print(f"{what} whose per-step total moved most (ms; count A -> B):")
+        for r in c[what]:
+            print(f"  {r['delta_ms']:+9.3f}  {r['a_ms']:9.3f} -> {r['b_ms']:9.3f}  "
+                  f"({r['a_count']:.0f} -> {r['b_count']:.0f})  {r['name'][:110]}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", nargs="?")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", dest="json_out")
+    a = ap.parse_args(argv)
+    if a.compare:
+        sa, sb = (summarise(load(p)) for p in a.compare)
+        out = {"a": a.compare[0], "b": a.compare[1], **compare(sa, sb, a.top)}
+        _print_compare(out, tuple(a.compare))
+    elif a.trace:
+        out = summarise(load(a.trace))
+        print(json.dumps({k: v for k, v in out.items() if k not in ("kernels", "runtime")}, indent=1))
+    else:
+        ap.print_usage(sys.stderr)
+        return 2
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

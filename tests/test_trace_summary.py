@@ -1,0 +1,71 @@
+"""scripts/trace_summary.py on hand-made Chrome traces: per-step GPU busy / idle time (the union of intervals over
+streams), kernel and runtime-call totals, and the comparison of two traces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import trace_summary
+
+
+def _x(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def _trace(extra_wait: bool) -> list[dict]:
+    events = [
+        _x("ProfilerStep#10", "user_annotation", 0, 1000),
+        _x("ProfilerStep#11", "user_annotation", 1000, 1000),
+        _x("ProfilerStep#10", "gpu_user_annotation", 2, 900),  # kineto's projection on a stream: not a step
+        # step 10: two overlapping kernels on two streams (union 0..300 and 400..500) and a memcpy
+        _x("gemm", "kernel", 0, 200), _x("a2a", "kernel", 100, 200), _x("Memcpy DtoD", "gpu_memcpy", 400, 100),
+        # step 11
+        _x("gemm", "kernel", 1000, 200), _x("a2a", "kernel", 1300, 100),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 5), _x("cudaLaunchKernel", "cuda_runtime", 1010, 5),
+        _x("aten::mm", "cpu_op", 5, 50), _x("aten::mm", "cpu_op", 1005, 50),
+        {"ph": "i", "name": "marker", "ts": 3},  # not a complete event: ignored
+    ]  # fmt: skip
+    if extra_wait:
+        events += [_x("cudaStreamWaitEvent", "cuda_runtime", 20, 3), _x("cudaStreamWaitEvent", "cuda_runtime", 1020, 3)]
+        events += [_x("gemm", "kernel", 1500, 100)]
+    return events
+
+
+def test_one_trace_per_step(tmp_path: Path) -> None:
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": _trace(False)}).encode()))
+    s = trace_summary.summarise(trace_summary.load(path))
+    assert s["steps"] == 2 and s["step_wall_ms"] == pytest.approx(1.0)
+    # busy: step 10 union 0..300 + 400..500 = 400 µs; step 11: 200 + 100 = 300 µs -> 350 µs per step
+    assert s["gpu_busy_ms"] == pytest.approx(0.35) and s["gpu_idle_ms"] == pytest.approx(0.65)
+    assert s["kernels"]["gemm"] == {"ms": pytest.approx(0.2), "count": 1.0}
+    assert s["gpu"]["gpu_memcpy"]["count"] == 0.5 and s["cpu_ops"] == 1.0
+    assert s["runtime"]["cudaLaunchKernel"]["count"] == 1.0
+
+
+def test_compare_names_what_the_second_trace_adds(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_trace(False)))
+    b.write_text(json.dumps({"traceEvents": _trace(True)}))
+    out = tmp_path / "c.json"
+    assert trace_summary.main(["--compare", str(a), str(b), "--json", str(out)]) == 0
+    c = json.loads(out.read_text())
+    kernels = {r["name"]: r for r in c["kernels"]}
+    assert kernels["gemm"]["delta_ms"] == pytest.approx(0.05) and kernels["a2a"]["delta_ms"] == 0
+    runtime = {r["name"]: r for r in c["runtime"]}
+    assert runtime["cudaStreamWaitEvent"]["b_count"] == 1.0 and runtime["cudaStreamWaitEvent"]["a_count"] == 0
+    assert c["figures"]["gpu_busy_ms"]["delta"] == pytest.approx(0.05)
+
+
+def test_a_trace_without_profiler_steps_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([_x("gemm", "kernel", 0, 1)]))
+    with pytest.raises(SystemExit, match="no ProfilerStep"):
+        trace_summary.summarise(trace_summary.load(path))
