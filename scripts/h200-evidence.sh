@@ -124,6 +124,11 @@ case $stage in
         >"$work/trace-$f-c4-r3.txt" 2>&1
       python3 scripts/trace_summary.py --compare "$(t 1-control)" "$(t 4-control)" --json "$work/trace-$f-c1-c4.json" \
         >"$work/trace-$f-c1-c4.txt" 2>&1
+      python3 scripts/trace_summary.py --compare "$(t 2-rings)" "$(t 3-rings)" --json "$work/trace-$f-r2-r3.json" \
+        >"$work/trace-$f-r2-r3.txt" 2>&1
+      for k in 1-control 2-rings 3-rings 4-control; do
+        python3 scripts/trace_summary.py "$(t $k)" --json "$work/trace-$f-$k-summary.json" >/dev/null 2>&1
+      done
       for k in 1-control 2-rings 3-rings 4-control; do mv "$(t $k)" "$work/trace-$f-$k.json.gz" 2>/dev/null; done
       rm -rf "$work"/prof-"$f"-*/  # the traces moved out; tensorboard's folders are empty
     done

@@ -6,7 +6,8 @@ schedules with line events switched on for the hot path's code objects alone (th
 wrapper, the ring's acquire and release, ``Held``, the saved-tensor region and pack/unpack); every other frame runs
 untraced. Each line is charged the time until the next event of the same thread, the monitoring callback's own
 cost included; that cost is measured on a calibration function of empty lines and printed beside (subtract it
-per line event). Python >= 3.12.
+per line event). Counts are line *events*: a line that calls another monitored function is charged before the call
+and again after it returns. Python >= 3.12.
 
     python scripts/hook_lines.py --preset host-bound --spec te --pad [--precision fp8] [--json out.json]
 """
@@ -76,11 +77,13 @@ class Lines:
         mon.register_callback(TOOL, mon.events.LINE, self.line)
         mon.register_callback(TOOL, mon.events.PY_RETURN, self.leave)
         mon.register_callback(TOOL, mon.events.PY_UNWIND, self.leave)
+        mon.set_events(TOOL, mon.events.PY_UNWIND)  # a global event only: leave() ignores frames not on its stack
         for code in codes:
             mon.set_local_events(TOOL, code, mon.events.LINE | mon.events.PY_RETURN)
 
     def stop(self, codes: list[Any]) -> None:
         mon = sys.monitoring
+        mon.set_events(TOOL, 0)
         for code in codes:
             mon.set_local_events(TOOL, code, 0)
         mon.free_tool_id(TOOL)
@@ -156,6 +159,7 @@ def main() -> None:
     with lb.prepared(cfg, device) as p, lb._installed(p.layer, "ring", cfg, device):
         p.schedule()
         lb._sync(p.cuda)
+        enabled = gc.isenabled()
         if a.manual_gc:
             gc.collect()
             gc.disable()
@@ -166,7 +170,8 @@ def main() -> None:
             lb._sync(p.cuda)
         finally:
             lines.stop(codes)
-            gc.enable()
+            if enabled:
+                gc.enable()
     calls = cfg.steps * cfg.microbatches
     rows = []
     for (code, line), (ns, k) in lines.ns.items():

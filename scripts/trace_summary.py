@@ -5,7 +5,8 @@ time goes on the GPU (kernels by name, copies, idle time) and on the host (CUDA 
     python scripts/trace_summary.py --compare CONTROL.json.gz RINGS.json.gz [--json out.json] [--top 25]
 
 Per profiled step (``ProfilerStep#N`` spans): the step's host wall time; GPU kernel / memcpy / memset time and
-counts; GPU busy time (the union of those intervals over every stream, inside the steps) and idle time (the steps'
+counts, kernels by name and by group (:data:`GROUPS`: attention, optimizer, permute / unpermute, GEMMs, other); GPU
+busy time (the union of those intervals over every stream, inside the steps) and idle time (the steps'
 span less busy); CUDA runtime calls by name (count, host µs) and the operator count. ``--compare`` prints the
 second trace less the first, per step, and the kernels and runtime calls whose totals moved most. Reads the trace
 as JSON (gzip or plain), never executes anything from it.
@@ -22,6 +23,22 @@ from pathlib import Path
 from typing import Any
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+GROUPS = (
+    ("attention", ("sdpa", "flash", "fmha")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("permute / unpermute", ("scatter_gather", "indexfunc", "gather", "scatter", "index_select", "sort")),
+    ("GEMMs", ("nvjet", "gemm", "cutlass", "wgmma", "sm90_xmma")),
+)
+"""Kernel groups by case-insensitive name fragment, first match wins; everything else is ``other``."""
+
+
+def group_of(name: str) -> str:
+    """The :data:`GROUPS` entry a kernel name falls in (``other`` if none)."""
+    low = name.lower()
+    for group, fragments in GROUPS:
+        if any(f in low for f in fragments):
+            return group
+    return "other"
 
 
 def load(path: str | Path) -> list[dict[str, Any]]:
@@ -60,6 +77,7 @@ def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     gpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     busy: list[tuple[float, float]] = []
     ops = 0
     for e in events:
@@ -71,9 +89,12 @@ def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             gpu[cat][0] += dur
             gpu[cat][1] += 1
-            busy.append((ts, ts + dur))
+            busy.append((max(ts, lo), ts + dur))  # clipped at the first step's start
             if cat == "kernel":
                 row = kernels[str(e.get("name", "?"))[:160]]
+                row[0] += dur
+                row[1] += 1
+                row = groups[group_of(str(e.get("name", "")))]
                 row[0] += dur
                 row[1] += 1
         elif lo <= ts <= hi:
@@ -93,6 +114,7 @@ def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
         "gpu": {cat: {"ms": v[0] / n / 1e3, "count": v[1] / n} for cat, v in sorted(gpu.items())},
         "cpu_ops": ops / n,
         "kernels": {k: {"ms": v[0] / n / 1e3, "count": v[1] / n} for k, v in kernels.items()},
+        "groups": {k: {"ms": v[0] / n / 1e3, "count": v[1] / n} for k, v in sorted(groups.items())},
         "runtime": {k: {"ms": v[0] / n / 1e3, "count": v[1] / n} for k, v in runtime.items()},
     }
 
@@ -116,13 +138,21 @@ def compare(a: dict[str, Any], b: dict[str, Any], top: int = 25) -> dict[str, An
         x, y = a["gpu"].get(cat, {"ms": 0.0, "count": 0.0}), b["gpu"].get(cat, {"ms": 0.0, "count": 0.0})
         figures[f"{cat}_ms"] = {"a": x["ms"], "b": y["ms"], "delta": y["ms"] - x["ms"]}
         figures[f"{cat}_count"] = {"a": x["count"], "b": y["count"], "delta": y["count"] - x["count"]}
-    return {"figures": figures, "kernels": deltas("kernels"), "runtime": deltas("runtime")}
+    groups = {}
+    for g in sorted(set(a["groups"]) | set(b["groups"])):
+        x, y = a["groups"].get(g, {"ms": 0.0}), b["groups"].get(g, {"ms": 0.0})
+        groups[g] = {"a_ms": x["ms"], "b_ms": y["ms"], "ratio": y["ms"] / x["ms"] - 1 if x["ms"] else None}
+    return {"figures": figures, "groups": groups, "kernels": deltas("kernels"), "runtime": deltas("runtime")}
 
 
 def _print_compare(c: dict[str, Any], names: tuple[str, str]) -> None:
     print(f"per profiled step: B = {names[1]} less A = {names[0]}")
     for key, f in c["figures"].items():
         print(f"  {key:<22} A {f['a']:12.3f}  B {f['b']:12.3f}  B-A {f['delta']:+10.3f}")
+    print("kernel groups (ms per step; B/A - 1):")
+    for g, r in c["groups"].items():
+        ratio = f"{r['ratio']:+.2%}" if r["ratio"] is not None else "—"
+        print(f"  {g:<22} A {r['a_ms']:10.3f}  B {r['b_ms']:10.3f}  {ratio}")
     for what in ("kernels", "runtime"):
         print(f"{what} whose per-step total moved most (ms; count A -> B):")
         for r in c[what]:
@@ -144,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.trace:
         out = summarise(load(a.trace))
         print(json.dumps({k: v for k, v in out.items() if k not in ("kernels", "runtime")}, indent=1))
+        out = {**out, "trace": a.trace}
     else:
         ap.print_usage(sys.stderr)
         return 2

@@ -26,6 +26,7 @@ def _trace(extra_wait: bool) -> list[dict]:
         _x("ProfilerStep#10", "gpu_user_annotation", 2, 900),  # kineto's projection on a stream: not a step
         # step 10: two overlapping kernels on two streams (union 0..300 and 400..500) and a memcpy
         _x("gemm", "kernel", 0, 200), _x("a2a", "kernel", 100, 200), _x("Memcpy DtoD", "gpu_memcpy", 400, 100),
+        _x("tail of the step before", "gpu_memset", -50, 60),  # busy from 0 to 10 only (clipped), inside 0..300
         # step 11
         _x("gemm", "kernel", 1000, 200), _x("a2a", "kernel", 1300, 100),
         _x("cudaLaunchKernel", "cuda_runtime", 10, 5), _x("cudaLaunchKernel", "cuda_runtime", 1010, 5),
@@ -46,8 +47,12 @@ def test_one_trace_per_step(tmp_path: Path) -> None:
     # busy: step 10 union 0..300 + 400..500 = 400 µs; step 11: 200 + 100 = 300 µs -> 350 µs per step
     assert s["gpu_busy_ms"] == pytest.approx(0.35) and s["gpu_idle_ms"] == pytest.approx(0.65)
     assert s["kernels"]["gemm"] == {"ms": pytest.approx(0.2), "count": 1.0}
-    assert s["gpu"]["gpu_memcpy"]["count"] == 0.5 and s["cpu_ops"] == 1.0
+    assert s["gpu"]["gpu_memcpy"]["count"] == 0.5 and s["cpu_ops"] == 1.0 and s["gpu"]["gpu_memset"]["count"] == 0.5
     assert s["runtime"]["cudaLaunchKernel"]["count"] == 1.0
+    # groups by name fragment: "gemm" is a GEMM, "a2a" falls in "other"
+    assert s["groups"]["GEMMs"]["ms"] == pytest.approx(0.2) and s["groups"]["other"]["ms"] == pytest.approx(0.15)
+    assert trace_summary.group_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert trace_summary.group_of("void at::native::_scatter_gather_elementwise_kernel") == "permute / unpermute"
 
 
 def test_compare_names_what_the_second_trace_adds(tmp_path: Path) -> None:
@@ -62,6 +67,7 @@ def test_compare_names_what_the_second_trace_adds(tmp_path: Path) -> None:
     runtime = {r["name"]: r for r in c["runtime"]}
     assert runtime["cudaStreamWaitEvent"]["b_count"] == 1.0 and runtime["cudaStreamWaitEvent"]["a_count"] == 0
     assert c["figures"]["gpu_busy_ms"]["delta"] == pytest.approx(0.05)
+    assert c["groups"]["GEMMs"]["ratio"] == pytest.approx(0.25)  # 0.2 -> 0.25 ms per step
 
 
 def test_a_trace_without_profiler_steps_is_refused(tmp_path: Path) -> None:

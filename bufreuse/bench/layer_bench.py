@@ -133,11 +133,11 @@ class LayerBenchConfig:
     """After the rounds, pairs of control / arm rounds with one span timer at the hooks' entry points in both:
     the host µs the hooks add per layer call over the control (:mod:`bufreuse.bench.added_time`)."""
     added_pairs: int = 8
+    """Control / arm round pairs per hooked arm for ``added_time`` (A B B A); >= 3 for an interval."""
     gc: str = "auto"
     """``auto`` (Python's cyclic collector runs when its thresholds say, inside whatever code is running) or
     ``manual`` (as Megatron-LM's ``--manual-gc``, which large MoE recipes use: collected before each round, disabled
     during it), so a collection does not land inside one arm's figures."""
-    """Control / arm round pairs per hooked arm for ``added_time`` (A B B A); >= 3 for an interval."""
 
 
 def layer_config(

@@ -669,9 +669,9 @@ class Installation:
                 self.warn_release_disagreements()
             if self.auto_start and not any(i.pool is self.pool for i in _ACTIVE if i is not self):
                 self.pool.settle()
+        self.entry_points.clear()
         while self._undo:
             self._undo.pop()()
-        self.entry_points.clear()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
             if not _ACTIVE:
