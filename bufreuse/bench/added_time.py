@@ -107,41 +107,13 @@ def spanned(points: list[tuple[Any, str]], timer: SpanTimer) -> Iterator[None]:
 def outside_points(timer: SpanTimer) -> Iterator[Callable[[], Any]]:
     """Time the hook code no point encloses (see the module docstring) for the block; yields ``during()``, a
     context to open around ``install()`` (pools built inside get a timed unpack)."""
-    from bufreuse.integrations.alltoall import functions
-    from bufreuse.pool import tracking
+    from bufreuse.bench.hook_time import pool_hook_code_wrapped, saved_pair_wrapped
 
-    undo: list[Callable[[], None]] = []
+    def during() -> Any:
+        return saved_pair_wrapped(lambda pack, unpack: (pack, timer.wrap(unpack, "saved-tensor unpack")))
 
-    def patch(obj: Any, attr: str, value: Any) -> None:
-        old = vars(obj)[attr]
-        setattr(obj, attr, value)
-        undo.append(lambda: setattr(obj, attr, old))
-
-    unbound_del = tracking._SavedRef.__del__
-    patch(tracking._SavedRef, "__del__", timer.wrap(unbound_del, "saved-reference release (__del__)"))
-    for fn_cls in (functions.RingAllToAll, functions.CatIntoRing):
-        backward = vars(fn_cls)["backward"].__func__
-        patch(fn_cls, "backward", staticmethod(timer.wrap(backward, f"{fn_cls.__name__}.backward")))
-
-    @contextlib.contextmanager
-    def during() -> Iterator[None]:
-        pack_unpack = tracking._pack_unpack
-
-        def timed_pair(registry: Any, strict: bool) -> tuple[Any, Any]:
-            pack, unpack = pack_unpack(registry, strict)
-            return pack, timer.wrap(unpack, "saved-tensor unpack")
-
-        tracking._pack_unpack = timed_pair
-        try:
-            yield
-        finally:
-            tracking._pack_unpack = pack_unpack
-
-    try:
+    with pool_hook_code_wrapped(timer.wrap):
         yield during
-    finally:
-        while undo:
-            undo.pop()()
 
 
 def pair_order(pairs: int, arm: str) -> list[str]:

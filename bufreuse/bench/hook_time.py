@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["HookClock", "calibrate", "instrumented"]
+__all__ = ["HookClock", "calibrate", "instrumented", "pool_hook_code_wrapped", "saved_pair_wrapped"]
 
 
 class _Thread(threading.local):
@@ -176,14 +176,9 @@ def calibrate(repeats: int = 20000) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def instrumented(clock: HookClock) -> Iterator[Callable[[], None]]:
-    """Wrap the pool's and the Functions' hook code for the block; yields ``arm()``, to call around ``install()``.
-
-    ``arm()`` is a context manager: while it is open :data:`~bufreuse.integrations.core.INSTRUMENT` is
-    ``clock`` (the installation wraps its hook entries and originals) and pools built inside get
-    hook-wrapped saved-tensor pairs.
-    """
-    from bufreuse.integrations import core
+def pool_hook_code_wrapped(wrap: Callable[[Callable[..., Any], str], Callable[..., Any]]) -> Iterator[None]:
+    """For the block, ``wrap(fn, name)`` replaces the hook code that no override point encloses: the saved-reference
+    holder's ``__del__`` (the deferred release, run by autograd) and the autograd Functions' ``backward``."""
     from bufreuse.integrations.alltoall import functions
     from bufreuse.pool import tracking
 
@@ -194,23 +189,48 @@ def instrumented(clock: HookClock) -> Iterator[Callable[[], None]]:
         setattr(obj, attr, value)
         undo.append(lambda: setattr(obj, attr, old))
 
-    patch(tracking._SavedRef, "__del__", clock.hook(tracking._SavedRef.__del__))
-    for fn_cls in (functions.RingAllToAll, functions.CatIntoRing):
-        patch(fn_cls, "backward", staticmethod(clock.hook(vars(fn_cls)["backward"].__func__)))
-
-    @contextlib.contextmanager
-    def arm() -> Iterator[None]:
-        pack_unpack = tracking._pack_unpack
-        tracking._pack_unpack = lambda registry, strict: tuple(map(clock.hook, pack_unpack(registry, strict)))
-        core.INSTRUMENT = clock
-        try:
-            yield
-        finally:
-            core.INSTRUMENT = None
-            tracking._pack_unpack = pack_unpack
-
     try:
-        yield arm
+        patch(tracking._SavedRef, "__del__", wrap(tracking._SavedRef.__del__, "saved-reference release (__del__)"))
+        for fn_cls in (functions.RingAllToAll, functions.CatIntoRing):
+            backward = vars(fn_cls)["backward"].__func__
+            patch(fn_cls, "backward", staticmethod(wrap(backward, f"{fn_cls.__name__}.backward")))
+        yield
     finally:
         while undo:
             undo.pop()()
+
+
+@contextlib.contextmanager
+def saved_pair_wrapped(transform: Callable[[Any, Any], tuple[Any, Any]]) -> Iterator[None]:
+    """Pools built inside the block get ``transform(pack, unpack)`` as their saved-tensor hook pair."""
+    from bufreuse.pool import tracking
+
+    pack_unpack = tracking._pack_unpack
+    tracking._pack_unpack = lambda registry, strict: transform(*pack_unpack(registry, strict))
+    try:
+        yield
+    finally:
+        tracking._pack_unpack = pack_unpack
+
+
+@contextlib.contextmanager
+def instrumented(clock: HookClock) -> Iterator[Callable[[], None]]:
+    """Wrap the pool's and the Functions' hook code for the block; yields ``arm()``, to call around ``install()``.
+
+    ``arm()`` is a context manager: while it is open :data:`~bufreuse.integrations.core.INSTRUMENT` is
+    ``clock`` (the installation wraps its hook entries and originals) and pools built inside get
+    hook-wrapped saved-tensor pairs.
+    """
+    from bufreuse.integrations import core
+
+    @contextlib.contextmanager
+    def arm() -> Iterator[None]:
+        with saved_pair_wrapped(lambda pack, unpack: (clock.hook(pack), clock.hook(unpack))):
+            core.INSTRUMENT = clock
+            try:
+                yield
+            finally:
+                core.INSTRUMENT = None
+
+    with pool_hook_code_wrapped(lambda fn, _name: clock.hook(fn)):  # the clock names hooks by their code
+        yield arm
