@@ -43,14 +43,19 @@ def _as_original(clock: Any, target: tuple[str, str, str] | None) -> Iterator[No
         setattr(cls, target[2], old)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_arguments(ap: argparse.ArgumentParser) -> None:
+    """The layer these diagnostic scripts measure: ``bench layer``'s shape, spec, precision, routing and steps."""
     ap.add_argument("--preset", default="host-bound")
     ap.add_argument("--spec", default="te")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--pad", action="store_true")
     ap.add_argument("--device", default=None)
     ap.add_argument("--steps", type=int, default=16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    layer_arguments(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()

@@ -135,13 +135,10 @@ def _codes() -> list[Any]:
 
 
 def main() -> None:
+    from hook_breakdown import layer_arguments  # scripts/ is on sys.path when a script runs
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="host-bound")
-    ap.add_argument("--spec", default="te")
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--pad", action="store_true")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--steps", type=int, default=16)
+    layer_arguments(ap)
     ap.add_argument("--manual-gc", action="store_true", help="the collector off during the timed schedules")
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()

@@ -32,6 +32,16 @@ def _te_available() -> bool:
     return True
 
 
+@pytest.fixture(scope="module")
+def parallel():
+    """A world of one process with megatron's model-parallel state set up (CPU, gloo) for the module; modules that
+    need another world (the GPU ones, HybridEP's) define their own ``parallel``."""
+    from megatron_cpu import cpu_moe_parallel
+
+    with cpu_moe_parallel():
+        yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any(item.get_closest_marker("te") for item in items) and not _te_available():
         if os.environ.get("BUFREUSE_REQUIRE_TE", "") not in ("", "0"):

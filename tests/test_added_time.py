@@ -13,9 +13,9 @@ import json
 import math
 import statistics
 import threading
-import time
 
 import pytest
+from busy import spin
 
 from bufreuse.bench.added_time import SpanTimer, pair_order, spanned, summarise_pairs
 
@@ -25,16 +25,10 @@ LAYER_WAIT_US = 5000
 paired rounds differing by up to ±500 µs)."""
 
 
-def _spin(us: float) -> None:
-    end = time.perf_counter() + us / 1e6
-    while time.perf_counter() < end:
-        pass
-
-
 def test_the_outermost_span_is_timed_once_and_nested_points_are_inside_it() -> None:
     timer = SpanTimer()
-    inner = timer.wrap(lambda: _spin(WAIT_US), "inner")
-    outer = timer.wrap(lambda: (_spin(WAIT_US), inner()), "outer")
+    inner = timer.wrap(lambda: spin(WAIT_US), "inner")
+    outer = timer.wrap(lambda: (spin(WAIT_US), inner()), "outer")
     outer()
     assert set(timer.by_point) == {"outer"} and timer.by_point["outer"][1] == 1
     assert 2 * WAIT_US <= timer.ns / 1e3 < 3 * WAIT_US  # both waits, once (counted twice it would be >= 3)
@@ -45,7 +39,7 @@ def test_the_outermost_span_is_timed_once_and_nested_points_are_inside_it() -> N
 
 def test_spans_on_another_thread_are_their_own_outermost() -> None:
     timer = SpanTimer()
-    inner = timer.wrap(lambda: _spin(WAIT_US), "other thread")
+    inner = timer.wrap(lambda: spin(WAIT_US), "other thread")
 
     def outer_body() -> None:
         worker = threading.Thread(target=inner)  # autograd's device thread runs unpack / __del__ like this
@@ -119,12 +113,12 @@ def test_added_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatch) ->
 
     # a wait in megatron's combine stage runs in both arms: the difference does not move
     stage = D.combine_postprocess
-    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
+    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
     slow_megatron = _added()["arms"]["ring"]
     monkeypatch.setattr(D, "combine_postprocess", stage)
     # the same wait inside the hook's own code (the release after that stage) runs in the arm only
     release = core.Held.release
-    monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(LAYER_WAIT_US), release(self, *a))[1])
+    monkeypatch.setattr(core.Held, "release", lambda self, *a: (spin(LAYER_WAIT_US), release(self, *a))[1])
     slow_hook = _added()["arms"]["ring"]
 
     stage_point = "MoEAlltoAllTokenDispatcher.combine_postprocess"

@@ -9,9 +9,9 @@ hook calls does not move it, and the control arm runs no hook at all.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
+from busy import spin
 from typer.testing import CliRunner
 
 from bufreuse.bench.hook_time import HookClock, calibrate
@@ -22,20 +22,14 @@ LAYER_WAIT_US = 5000
 replaces (250-800 µs on the CPU box, up to ±300 µs between runs)."""
 
 
-def _spin(us: float) -> None:
-    end = time.perf_counter() + us / 1e6
-    while time.perf_counter() < end:
-        pass
-
-
 def test_clock_charges_a_hooks_own_time_and_not_the_originals_it_calls() -> None:
     clock = HookClock()
-    original = clock.original(lambda: _spin(3 * WAIT_US))
-    nested_hook = clock.hook(lambda: _spin(WAIT_US))
-    original_calling_a_hook = clock.original(lambda: (_spin(WAIT_US), nested_hook()))
+    original = clock.original(lambda: spin(3 * WAIT_US))
+    nested_hook = clock.hook(lambda: spin(WAIT_US))
+    original_calling_a_hook = clock.original(lambda: (spin(WAIT_US), nested_hook()))
 
     def body() -> None:
-        _spin(WAIT_US)
+        spin(WAIT_US)
         original()
         original_calling_a_hook()
 
@@ -45,18 +39,18 @@ def test_clock_charges_a_hooks_own_time_and_not_the_originals_it_calls() -> None
     assert clock.entries == 2 and clock.originals == 2
     # positive control: the same work all as hooks is charged in full
     full = HookClock()
-    full.hook(lambda: (_spin(WAIT_US), full.hook(lambda: _spin(3 * WAIT_US))()))()
+    full.hook(lambda: (spin(WAIT_US), full.hook(lambda: spin(3 * WAIT_US))()))()
     assert full.hook_ns / 1e3 >= 4 * WAIT_US
 
 
 def test_a_stand_in_is_charged_its_frame_and_not_the_original_it_calls() -> None:
     clock = HookClock(empty=True)
-    stand_in = clock.stand_in(clock.original(lambda x: (_spin(3 * WAIT_US), x)[1]))
+    stand_in = clock.stand_in(clock.original(lambda x: (spin(3 * WAIT_US), x)[1]))
     assert stand_in(7) == 7 and clock.entries == 1 and clock.originals == 1
     assert clock.hook_ns / 1e3 < WAIT_US / 4  # the original's wait is not charged
     # positive control: the same frame as a hook doing the wait itself is charged the wait
     real = HookClock()
-    real.hook(lambda x: (_spin(3 * WAIT_US), x)[1])(7)
+    real.hook(lambda x: (spin(3 * WAIT_US), x)[1])(7)
     assert real.hook_ns / 1e3 >= 3 * WAIT_US
 
 
@@ -98,14 +92,14 @@ def test_layer_hook_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatc
 
     # a wait in megatron's combine stage (an original the hook calls) is not the hooks' time
     stage = D.combine_postprocess
-    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (_spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
+    monkeypatch.setattr(D, "combine_postprocess", lambda self, *a, **k: (spin(LAYER_WAIT_US), stage(self, *a, **k))[1])
     slow = _hook_us()["arms"]["ring"]
     slow_original, slow_original_net = slow["us"], slow["net_us"]
     monkeypatch.setattr(D, "combine_postprocess", stage)
 
     # the same wait inside the hook's own code (the release after that stage) is: once per layer call
     release = core.Held.release
-    monkeypatch.setattr(core.Held, "release", lambda self, *a: (_spin(LAYER_WAIT_US), release(self, *a))[1])
+    monkeypatch.setattr(core.Held, "release", lambda self, *a: (spin(LAYER_WAIT_US), release(self, *a))[1])
     slow = _hook_us()["arms"]["ring"]
     slow_hook, slow_hook_net = slow["us"], slow["net_us"]
 

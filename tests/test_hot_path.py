@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_layer, cpu_moe_parallel, install_exercising_rings
+from megatron_cpu import cpu_moe_layer, install_exercising_rings
 
 from bufreuse.config import BufReuseConfig, identity_dispatch, single_rank_expert, static_bounds, unused_rings
 from bufreuse.errors import BackendContractError
@@ -34,12 +34,6 @@ TOKENS = SEQ * MBS
 def install(*args, ring_identity_dispatch: bool = False, **kwargs):
     """``install()`` with the EP x ETP = 1 expert ring in use (production leaves it alone; see the first tests)."""
     return install_exercising_rings(*args, ring_identity_dispatch=ring_identity_dispatch, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    with cpu_moe_parallel():
-        yield
 
 
 def _layer(num_experts: int = 8, deterministic: bool = False):

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_layer, cpu_moe_parallel, moe_forward  # noqa: E402
+from megatron_cpu import cpu_moe_layer, moe_forward  # noqa: E402
 from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 from schedule_harness import MODES, guard, mode_env  # noqa: E402
 
@@ -30,12 +30,6 @@ from bufreuse.pool import BufferPool, EarlyReuseError, SavedForBackwardError, St
 
 HIDDEN, SEQ, MBS = 32, 8, 2
 TOKENS = SEQ * MBS
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    with cpu_moe_parallel():
-        yield
 
 
 def _layer(num_experts: int, dispatcher: str = "alltoall"):

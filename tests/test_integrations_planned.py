@@ -14,7 +14,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_parallel  # noqa: E402
 from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 
 from bufreuse.config import BufReuseConfig, load_megatron_file  # noqa: E402
@@ -34,12 +33,6 @@ ISSUE_ARGS = """\
 --cuda-graph-impl full_iteration --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity
 --moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2
 """
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    with cpu_moe_parallel():
-        yield
 
 
 def _model():

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_layer, cpu_moe_parallel, moe_forward
+from megatron_cpu import cpu_moe_layer, moe_forward
 
 from bufreuse.config import BufReuseConfig, static_bounds
 from bufreuse.integrations.core import DISPATCH, EXPERT
@@ -25,12 +25,6 @@ from bufreuse.pool import BufferPool
 
 HIDDEN, SEQ, MBS = 32, 8, 2
 TOKENS = SEQ * MBS
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    with cpu_moe_parallel():
-        yield
 
 
 def _layer():

@@ -17,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_cpu import cpu_moe_parallel  # noqa: E402
 from megatron_cpu import install_exercising_rings as install  # noqa: E402  (EP = 1: see its docstring)
 from schedule_harness import MODES, ORDERS, Row, compare, control_is_deterministic, guard, mode_env, rows_for  # noqa: E402
 
@@ -31,12 +30,6 @@ from bufreuse.pool import BufferPool, EarlyReuseError  # noqa: E402
 HIDDEN, SEQ, MBS = 32, 8, 2
 TOKENS = SEQ * MBS
 CPU_ROWS = rows_for("local", "te-fake")
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    with cpu_moe_parallel():
-        yield
 
 
 def build_layer(row: Row):
