@@ -143,7 +143,8 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
     if sys.version_info < (3, 12):
-        raise SystemExit("hook_lines.py needs Python >= 3.12 (sys.monitoring)")
+        print("hook_lines.py: needs Python >= 3.12 (sys.monitoring)", file=sys.stderr)
+        raise SystemExit(2)
 
     from bufreuse.bench import layer_bench as lb
 

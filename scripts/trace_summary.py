@@ -70,7 +70,7 @@ def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
         if str(e.get("name", "")).startswith("ProfilerStep#") and not str(e.get("cat", "")).startswith("gpu")
     ]
     if not steps:
-        raise SystemExit("no ProfilerStep# spans in the trace (was it recorded with a profiler schedule?)")
+        raise ValueError("no ProfilerStep# spans in the trace (was it recorded with a profiler schedule?)")
     lo = min(float(s["ts"]) for s in steps)
     hi = max(float(s["ts"]) + float(s["dur"]) for s in steps)
     n = len(steps)
@@ -167,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except (OSError, ValueError, EOFError) as e:  # unreadable, not gzip/JSON, no steps: one line, exit 2
+        print(f"trace_summary: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(a: argparse.Namespace) -> int:
     if a.compare:
         sa, sb = (summarise(load(p)) for p in a.compare)
         out = {"a": a.compare[0], "b": a.compare[1], **compare(sa, sb, a.top)}
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in out.items() if k not in ("kernels", "runtime")}, indent=1))
         out = {**out, "trace": a.trace}
     else:
-        ap.print_usage(sys.stderr)
+        print("trace_summary: give a TRACE or --compare A B (see --help)", file=sys.stderr)
         return 2
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(out, indent=1))

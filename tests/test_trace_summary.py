@@ -70,8 +70,19 @@ def test_compare_names_what_the_second_trace_adds(tmp_path: Path) -> None:
     assert c["groups"]["GEMMs"]["ratio"] == pytest.approx(0.25)  # 0.2 -> 0.25 ms per step
 
 
-def test_a_trace_without_profiler_steps_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps([_x("gemm", "kernel", 0, 1)]))
-    with pytest.raises(SystemExit, match="no ProfilerStep"):
-        trace_summary.summarise(trace_summary.load(path))
+def test_bad_traces_are_one_line_and_exit_two(tmp_path: Path, capsys) -> None:
+    no_steps, not_json, gz_garbage = tmp_path / "t.json", tmp_path / "u.json", tmp_path / "v.json.gz"
+    no_steps.write_text(json.dumps([_x("gemm", "kernel", 0, 1)]))
+    not_json.write_text("{not json")
+    gz_garbage.write_bytes(b"\x1f\x8b garbage")
+    for args, what in (
+        ([str(no_steps)], "no ProfilerStep"),
+        ([str(not_json)], "Expecting"),
+        ([str(gz_garbage)], "trace_summary:"),
+        ([str(tmp_path / "missing.json")], "No such file"),
+        (["--compare", str(no_steps), str(not_json)], "trace_summary:"),
+        ([], "give a TRACE"),
+    ):
+        assert trace_summary.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert what in err and err.count("\n") == 1 and "Traceback" not in err, err
