@@ -6,7 +6,8 @@
 #   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
 #   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8);
 #                                               # ROUNDS (10), HOOK_ROUNDS, ADDED_PAIRS, GC=manual,
-#                                               # PROFILE=0 (no --profile) tune it
+#                                               # POLICIES, PROFILE=0 (no --profile) tune it; a py- NAME
+#                                               # runs BUFREUSE_NATIVE=0 (the Python hot path)
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
@@ -33,6 +34,7 @@ te_env() {
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} BUFREUSE_REQUIRE_TE=1
   # shellcheck source=scripts/device-env.sh
   source scripts/device-env.sh
+  log "C hot path: $(python3 -c 'from bufreuse.native import status; print(status())' 2>&1 | tail -1)"
 }
 
 machine_facts() {
@@ -82,7 +84,8 @@ case $stage in
     ;;
   bench)
     # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;
-    # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method
+    # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method;
+    # py- runs it with BUFREUSE_NATIVE=0 (the Python hot path)
     te_env
     declare -A seen=()
     for arg in "$@"; do
@@ -92,6 +95,8 @@ case $stage in
       py=(python3); n=$arg
       # -P: the working directory (this checkout) does not shadow .old on sys.path
       if [[ $n == old-* ]]; then py=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH" python3 -P); n=${n#old-}; fi
+      # py-: the Python hot path throughout (BUFREUSE_NATIVE=0: no C struct bases either), for C vs Python A B B A
+      if [[ $n == py-* ]]; then py=(env BUFREUSE_NATIVE=0 python3); n=${n#py-}; fi
       IFS=- read -r preset routing precision <<<"$n"
       args=(--preset "$preset-bound" --spec te --precision "$precision" --rounds "${ROUNDS:-10}")
       [ "$routing" = pad ] && args+=(--pad)
@@ -99,6 +104,7 @@ case $stage in
       [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
       [ -n "${ADDED_PAIRS:-}" ] && [[ $arg != old-* ]] && args+=(--added-pairs "$ADDED_PAIRS")
       [ -n "${GC:-}" ] && [[ $arg != old-* ]] && args+=(--gc "$GC")
+      [ -n "${POLICIES:-}" ] && [[ $arg != old-* ]] && args+=(--policies "$POLICIES")
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"

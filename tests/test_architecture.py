@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("bufreuse.integrations", "integrations"),
     ("bufreuse.pool", "pool"),
     ("bufreuse.plan", "foundation"),
+    ("bufreuse.native", "foundation"),
     ("bufreuse.errors", "foundation"),
     ("bufreuse.limits", "foundation"),
     ("bufreuse.fsutil", "foundation"),
@@ -149,8 +150,9 @@ def test_pool_imports_only_torch_and_errors() -> None:
             continue
         for target, line in _imports(name, path):
             mod = _resolve(target) if target.startswith("bufreuse") else None
-            if mod is not None and layer_of(mod) == "foundation" and mod != "bufreuse.errors" and mod != "bufreuse":
-                bad.append(f"{name}:{line} imports {target}: the pool imports only torch and bufreuse.errors")
+            allowed = ("bufreuse.errors", "bufreuse.native", "bufreuse")
+            if mod is not None and layer_of(mod) == "foundation" and mod not in allowed:
+                bad.append(f"{name}:{line} imports {target}: the pool imports only torch, errors and native")
     assert not bad, "\n".join(bad)
 
 

@@ -138,9 +138,12 @@ def _name(fn: Any) -> str:
     """The hook's own module and qualified name (its code's, not what ``functools.wraps`` copied onto it), and
     for a wrapper, ``(wraps X)`` with what it wraps: a generic wrapper then says which stage it is."""
     code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or glb is None:
+    if type(fn).__module__ == "bufreuse.native._hotpath":  # the C hot path's callables: named by their type
+        name = f"{type(fn).__module__}.{type(fn).__qualname__}"
+    elif code is None or glb is None:
         return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-    name = f"{glb.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+    else:
+        name = f"{glb.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
     inner = getattr(fn, "__wrapped__", None)
     if inner is not None:
         name += f" (wraps {getattr(inner, '__qualname__', repr(inner))})"
@@ -206,7 +209,7 @@ def saved_pair_wrapped(transform: Callable[[Any, Any], tuple[Any, Any]]) -> Iter
     from bufreuse.pool import tracking
 
     pack_unpack = tracking._pack_unpack
-    tracking._pack_unpack = lambda registry, strict: transform(*pack_unpack(registry, strict))
+    tracking._pack_unpack = lambda registry, strict, hotpath=None: transform(*pack_unpack(registry, strict, hotpath))
     try:
         yield
     finally:

@@ -976,6 +976,8 @@ def _verdict(
 def _env(device: torch.device) -> dict[str, Any]:
     import megatron.core
 
+    from bufreuse.native import status as native_status
+
     cuda = device.type == "cuda"
     te = None
     with contextlib.suppress(Exception):
@@ -989,6 +991,7 @@ def _env(device: torch.device) -> dict[str, Any]:
         "megatron_core": getattr(megatron.core, "__version__", None),
         "transformer_engine": te,
         "python": platform.python_version(),
+        "hotpath": native_status(),
         "hostname": platform.node(),
         "cpu": platform.processor() or platform.machine(),
     }

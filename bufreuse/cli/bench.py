@@ -116,7 +116,8 @@ def layer(
         str,
         typer.Option(
             help="Comma list of arms against the control: ring, stream-ordered, record-stream (the expert ring "
-            "exercised at EP = 1), as-installed (install()'s production rule: no ring at EP x ETP = 1)."
+            "exercised at EP = 1), as-installed (install()'s production rule: no ring at EP x ETP = 1). "
+            "BUFREUSE_NATIVE=0 runs the Python hot path instead of the C one."
         ),
     ] = "ring",
     slots: Annotated[int, typer.Option(help="Slots of the dispatch and expert rings.")] = 3,

@@ -299,7 +299,16 @@ def reads_live(live: Callable[[], Held | None]) -> Callable[[Any], bool]:
     return reads
 
 
-class Held:
+def _held_base() -> type:
+    from bufreuse.native import native_base
+
+    return native_base("Held")
+
+
+_HELD_BASE = _held_base()
+
+
+class Held(_HELD_BASE):
     """One acquisition and where it is released: at its last reader, by fact.
 
     ``release()`` is called after the forward's final reader; the pool releases at once when no
@@ -308,7 +317,9 @@ class Held:
     kept so that "is this a view of it?" (:meth:`read_by`) is one pointer comparison.
     """
 
-    __slots__ = ("deferred", "entry", "hi", "lo", "name", "pool", "released", "tensor")
+    __slots__ = (
+        () if _HELD_BASE is not object else ("deferred", "entry", "hi", "lo", "name", "pool", "released", "tensor")
+    )
 
     def __init__(
         self, pool: BufferPool, name: str, tensor: torch.Tensor, entry: Any = None, span: tuple[int, int] | None = None

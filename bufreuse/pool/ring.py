@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bufreuse.native import hotpath, native_base
 from bufreuse.pool._config import check_config, resolve_device, storage_ptr
 from bufreuse.pool._device import DeviceOps, env_debug, is_capturing
 from bufreuse.pool._state import Phase, RingStats, StorageIndex, _Slot
@@ -66,7 +67,12 @@ def poison_value(dtype: torch.dtype) -> float | int | bool:
     return -1 if dtype.is_signed else torch.iinfo(dtype).max
 
 
-class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
+_RING_BASES = (SavedRefCounting, RingCapacity, RingLifecycle)
+if native_base("Ring") is not object:  # the hot fields in the C struct the C hot path reads (bufreuse.native)
+    _RING_BASES = (native_base("Ring"), *_RING_BASES)
+
+
+class BufferRing(*_RING_BASES):
     """``num_slots`` persistent buffers of at most ``max_shape`` handed out in rotation.
 
     Args:
@@ -588,3 +594,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
                 f"ring '{self.name}': eager acquire between prepare_capture() and the capture; the captured "
                 "step must start with the cursor at slot 0"
             )
+
+
+if hotpath() is not None:
+    hotpath().configure(Phase.EAGER)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bufreuse.native import native_base
 from bufreuse.pool._device import saved_hooks_push_pop
 from bufreuse.pool._state import Phase, StorageIndex
 from bufreuse.pool.errors import SavedForBackwardError
@@ -212,7 +213,10 @@ class SavedRefCounting:
         slot.marks.append((stream, event, False))
 
 
-class SavedTracker:
+_TRACKER_BASE = native_base("Tracker")
+
+
+class SavedTracker(_TRACKER_BASE):
     """A reusable ``track_saved`` region over one pool's ring storage.
 
     The pack/unpack pair is built once (per pool and strictness), so entering a region costs one
@@ -222,12 +226,12 @@ class SavedTracker:
     (the hooks themselves are per thread, as torch keeps them).
     """
 
-    __slots__ = ("_depth", "_pop", "_push", "regions", "strict")
+    __slots__ = () if _TRACKER_BASE is not object else ("_depth", "_pop", "_push", "regions", "strict")
 
-    def __init__(self, registry: Mapping[int, BufferRing], *, strict: bool = False) -> None:
-        self._push, self._pop = saved_hooks_push_pop(*_pack_unpack(registry, strict))
+    def __init__(self, registry: Mapping[int, BufferRing], *, strict: bool = False, hotpath: Any = None) -> None:
+        self._push, self._pop = saved_hooks_push_pop(*_pack_unpack(registry, strict, hotpath))
         self._depth = 0
-        self.strict = strict
+        self.strict = bool(strict)
         self.regions = 0
 
     def __enter__(self) -> None:
@@ -258,7 +262,8 @@ class SavedTracker:
         return self._depth > 0
 
 
-def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool) -> tuple[Any, Any]:
+def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool, hotpath: Any = None) -> tuple[Any, Any]:
+    """The hooks' pair; ``hotpath`` (:mod:`bufreuse.native`): the same pack in C over a ``StorageIndex``."""
     spans = registry.spans if isinstance(registry, StorageIndex) else None
 
     def pack(tensor: torch.Tensor) -> Any:
@@ -270,6 +275,9 @@ def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool) -> tuple[Any,
             if first <= ptr < end:
                 return ring._track(tensor, storage, strict)
         return tensor
+
+    if spans is not None and hotpath is not None:
+        pack = hotpath.Pack(spans, strict)
 
     if spans is None:  # a plain mapping: look the storage pointer up
         get = registry.get

@@ -36,6 +36,7 @@ def _title(result: dict[str, Any]) -> str:
         f"(A B B A, {c['warmup']} warm-up dropped); {where}, torch {env['torch']}, megatron-core {env['megatron_core']}"
         + (f", TE {env['transformer_engine']}" if c["spec"] == "te" else "")
         + ("; garbage collector manual (collected before each round, off during it)" if c.get("gc") == "manual" else "")
+        + (f"; C hot path {env['hotpath']}" if env.get("hotpath") else "")
         + "; EP = 1: the policy arms exercise the expert ring as where it is used (production, the as-installed "
         "arm, uses no ring at EP × ETP = 1)"
     )

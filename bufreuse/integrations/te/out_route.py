@@ -27,6 +27,7 @@ from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations._compat_megatron import te_fused_impl
 from bufreuse.integrations.core import Held, dtype_refusal, with_reuse_hint
 from bufreuse.integrations.features import accepts_keyword
+from bufreuse.native import native_base
 from bufreuse.pool import EarlyReuseError
 
 __all__ = [
@@ -112,10 +113,17 @@ def out_route_class(cls: type) -> type | None:
     return None
 
 
-class Fc2Route:
+_ROUTE_BASE = native_base("Route")
+
+
+class Fc2Route(_ROUTE_BASE):
     """One hooked FC2 module's state: where its output goes (a ring slot) and where the slot is queued."""
 
-    __slots__ = ("cols", "dtype", "entry", "name", "pool", "queue", "row_bytes", "te_forward")
+    __slots__ = (
+        ()
+        if _ROUTE_BASE is not object
+        else ("cols", "dtype", "entry", "name", "pool", "queue", "row_bytes", "te_forward")
+    )
 
     def __init__(self, pool: Any, name: str, cols: int, queue: Any, te_forward: Callable[..., Any]) -> None:
         self.pool = pool
@@ -161,14 +169,31 @@ def _routing_forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: A
         result = route.te_forward(self, inp, m_splits, *args, out=slot, **kwargs)
         y = result[0] if type(result) is tuple else result
         if y.data_ptr() != lo:
-            raise BackendContractError(
-                "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
-            )
+            raise _ignored_out()
     except BaseException:
         route.entry.release(slot)
         raise
     route.queue.append(Held(route.pool, route.name, slot, route.entry, (lo, lo + rows * route.row_bytes)))
     return result
+
+
+def _ignored_out() -> BackendContractError:
+    return BackendContractError("Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)")
+
+
+def native_routing_forward(pool: Any) -> Any:
+    """:func:`_routing_forward` in C (``pool.hotpath``: production mode, where it builds), else None.
+
+    The C form does the common case (a free slot, eager) and calls :func:`_routing_forward` for the rest, before
+    it has changed anything.
+    """
+    hot = getattr(pool, "hotpath", None)
+    if hot is None:
+        return None
+    forward = hot.IntoRing(ROUTE, _routing_forward, Held, _ignored_out)
+    forward.__name__, forward.__qualname__ = "forward", "_routing_forward[C]"
+    forward.__module__, forward.__doc__ = __name__, _routing_forward.__doc__
+    return forward
 
 
 def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> type:
@@ -200,9 +225,9 @@ def route_into_ring(installation: Any, module: Any, route: Fc2Route) -> None:
     from bufreuse.integrations import core
 
     cls = type(module)
-    clock, forward = core.INSTRUMENT, _routing_forward
+    clock, forward = core.INSTRUMENT, native_routing_forward(route.pool) or _routing_forward
     if clock is not None:  # a measurement: the shim timed, or in a stand-in round an empty frame calling TE's forward
-        forward = clock.stand_in(route.te_forward) if clock.empty else clock.hook(_routing_forward)
+        forward = clock.stand_in(route.te_forward) if clock.empty else clock.hook(forward)
     routed = routing_class(cls, forward)
     installation.override(module, ROUTE, route)
     module.__class__ = routed

@@ -1,0 +1,140 @@
+"""The rings' hot path in C (``hotpath.c``): built once per machine and Python, loaded when it builds.
+
+Standard library only (no torch): :mod:`bufreuse.pool` and :mod:`bufreuse.integrations` derive their hot
+classes from its struct types and call its functions; nothing here knows either.
+
+The extension uses only the Python C API (no torch headers), so it compiles in about a second with the C
+compiler Python was built with, against whatever torch is installed. It is built on first use into a
+cache folder (``BUFREUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/bufreuse``, else ``~/.cache/bufreuse``), named
+by the source's hash and the interpreter's ABI, written atomically, and loaded from there afterwards. No
+compiler, a failed build or ``BUFREUSE_NATIVE=0``: the Python hot path runs, which does the same steps (the
+C code falls back to it for everything but the common case), and :func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["SOURCE", "build", "hotpath", "native_base", "status"]
+
+_log = logging.getLogger("bufreuse.pool")
+
+SOURCE = Path(__file__).with_name("hotpath.c")
+_state: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("BUFREUSE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "bufreuse"
+
+
+def _target(source: bytes) -> Path:
+    digest = hashlib.sha256(source + sys.version.encode()).hexdigest()[:16]
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return _cache_dir() / f"_hotpath-{digest}{suffix}"
+
+
+def build(target: Path | None = None) -> Path:
+    """Compile ``hotpath.c`` for this interpreter into ``target`` (default: the cache); its path.
+
+    Raises:
+        RuntimeError: no compiler, no Python headers, or the compile failed (its output in the message).
+    """
+    source = SOURCE.read_bytes()
+    target = _target(source) if target is None else target
+    if target.exists():
+        return target
+    include = sysconfig.get_paths()["include"]
+    if not Path(include, "Python.h").exists():
+        raise RuntimeError(f"no Python.h in {include} (install the Python development headers)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    tried = "no C compiler"
+    try:
+        for cc in _compilers():
+            cmd = [*cc, "-O2", "-fPIC", "-shared", f"-I{include}", str(SOURCE), "-o", tmp]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                tried = f"cannot run the C compiler {cc[0]!r}: {e}"
+                continue
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[-2000:]}")
+            os.replace(tmp, target)  # atomic: a concurrent build or import sees all of it or nothing
+            return target
+        raise RuntimeError(tried)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _compilers() -> list[list[str]]:
+    """``$CC`` alone when set; else the compiler Python was built with, then ``cc`` and ``gcc`` (a conda Python
+    may name a compiler that is not on the machine)."""
+    if os.environ.get("CC"):
+        return [shlex.split(os.environ["CC"])]
+    out = [shlex.split(c) for c in (sysconfig.get_config_var("CC"), "cc", "gcc") if c]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def _load(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("bufreuse.native._hotpath", str(path))
+    spec = importlib.util.spec_from_file_location("bufreuse.native._hotpath", path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def hotpath() -> ModuleType | None:
+    """The C hot path, built and loaded on first call; None when off or unavailable (:func:`status`)."""
+    if "module" in _state:
+        return _state["module"]  # type: ignore[return-value]
+    module = None
+    if os.environ.get("BUFREUSE_NATIVE", "1") == "0":
+        _state["why"] = "off (BUFREUSE_NATIVE=0)"
+    else:
+        try:
+            module = _load(build())
+            _state["why"] = "on"
+        except (RuntimeError, OSError, ImportError) as e:
+            _state["why"] = f"unavailable: {str(e).splitlines()[0][:300]}"
+            _log.info("bufreuse: the C hot path is %s; the Python one runs", _state["why"])
+    _state["module"] = module
+    return module
+
+
+def native_base(name: str) -> type:
+    """The C struct type ``name`` (``Slot``, ``Ring``, ...) a pool class derives from, or ``object`` without the
+    extension: the class then declares its fields as ``__slots__`` (or a ``__dict__``) itself.
+
+    Decided once, when the class is defined (the first import of :mod:`bufreuse.pool` builds the extension).
+    """
+    module = hotpath()
+    return object if module is None else getattr(module, name)
+
+
+def status() -> str:
+    """``"on"``, ``"off (BUFREUSE_NATIVE=0)"`` or ``"unavailable: <why>"`` (builds on first call)."""
+    hotpath()
+    return str(_state["why"])
+
+
+def _reset() -> None:
+    """Forget the loaded state (tests switching ``BUFREUSE_NATIVE``; a loaded extension stays in memory)."""
+    _state.clear()

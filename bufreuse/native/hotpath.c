@@ -1,0 +1,952 @@
+/* The rings' per-call hot path in C: the same steps as the Python reference, on the same state.
+ *
+ * Built and loaded by bufreuse/native/__init__.py; docs/pool.md, "The C hot path", says what it saves.
+ *
+ * State: Slot, Ops, Ring, Held, Route and Tracker are C structs whose members carry the Python code's attribute
+ * names; the pool's classes (_Slot, DeviceOps, BufferRing, SavedTracker) and the integration's (Held, Fc2Route)
+ * derive from them when this extension loads, so Python reads and writes the same fields through member
+ * descriptors and the functions below read them directly. On the H200 host the hooks' cost was cache misses on
+ * the attribute lookups of Python objects (a C version doing the same lookups saved ~10%): direct fields are what
+ * makes the difference.
+ *
+ * Functions:
+ *   acquire(ring, shape)           BufferRing.acquire's common case, or None: the caller runs the Python method
+ *   release(ring, tensor)          BufferRing.release_when_unsaved's immediate case: True, or None (Python method)
+ *   held_release(held)             Held.release with the above
+ *   Pack(spans, strict)            the saved-tensor pack hook (tracking._pack_unpack)
+ *   AfterStage(stage, queue, tracker)
+ *                                  call a stage (inside the tracker's saved-tensor region when its first
+ *                                  argument views a queued acquisition); release the queue's front once the
+ *                                  stage's output no longer views it
+ *   IntoRing(route_attr, fallback, held_type, ignored)
+ *                                  a method: acquire rows = inp.shape[0] from the route's ring and call the
+ *                                  route's forward with out= the slot; queue a held acquisition
+ *
+ * Every fast path checks all it needs before it changes anything, and otherwise answers "not mine" (None)
+ * or calls the Python fallback, which then does exactly what it always did: debug mode, CUDA-graph phases,
+ * waits on an elided event, deferred releases, fallback allocations and every error stay in Python.
+ * Only the Python C API is used (no torch headers), so one source builds against any torch;
+ * tests/test_native_hotpath.py runs both paths side by side.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define FALLBACK 0
+#define DONE 1
+
+#if PY_VERSION_HEX < 0x030C0000 /* Python 3.11: PyErr_GetRaisedException / SetRaisedException are 3.12's */
+static PyObject *PyErr_GetRaisedException(void) {
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  if (t == NULL) return NULL;
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (tb != NULL) PyException_SetTraceback(v, tb);
+  Py_DECREF(t);
+  Py_XDECREF(tb);
+  return v;
+}
+
+static void PyErr_SetRaisedException(PyObject *v) {
+  if (v == NULL) return;
+  PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(v)), v, PyException_GetTraceback(v));
+}
+#endif
+
+static PyObject *EAGER = NULL;     /* bufreuse.pool._state.Phase.EAGER */
+static PyObject *EMPTY = NULL;     /* () */
+
+#define NAMES(X) X(data_ptr) X(detach) X(_track) X(release_when_unsaved) X(release) X(out) X(popleft) X(append) \
+  X(__dict__) X(shape) X(dtype)
+
+#define DECLARE(n) static PyObject *s_##n;
+NAMES(DECLARE)
+#undef DECLARE
+
+/* ---- the state the hot path reads: C structs with the Python code's attribute names ----------------------
+ * The pool's classes derive from these when the extension loads (bufreuse/native): Python reads and
+ * writes the same fields through member descriptors, the C code directly (no attribute lookup: on a host
+ * whose caches the model's own work evicts between layer calls, each lookup costs several cache misses). */
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *base, *capture_event, *eager_event, *live, *made_on, *marks, *wait_on, *wait_stream;
+  Py_ssize_t generation, holds, index, saved_refs;
+  char late, pending;
+} Slot;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *_by_ptr, *_index, *_raw, *capturing, *device, *record, *wait;
+  char cuda;
+} Ops;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *_phase, *_slots, *_by_id, *_ops, *_fallback, *_watchdog, *max_shape;
+  Py_ssize_t _cursor, num_slots, _generation, _acquisitions, _held, _deferred_freed, _peak_held, _gpu_waits,
+      _elided, _releases;
+  char debug, _cuda, _elide;
+} Ring;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *pool, *name, *tensor, *entry;
+  Py_ssize_t lo, hi;
+  char released, deferred;
+} Held;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *pool, *name, *entry, *dtype, *queue, *te_forward;
+  Py_ssize_t cols, row_bytes;
+} Route;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *_push, *_pop;
+  Py_ssize_t _depth, regions;
+  char strict;
+} Tracker;
+
+#define OBJ(T, f) {#f, T_OBJECT_EX, offsetof(T, f), 0, NULL}
+#define SSZ(T, f) {#f, T_PYSSIZET, offsetof(T, f), 0, NULL}
+#define BOOL(T, f) {#f, T_BOOL, offsetof(T, f), 0, NULL}
+
+static PyMemberDef slot_members[] = {
+    OBJ(Slot, base), OBJ(Slot, capture_event), OBJ(Slot, eager_event), OBJ(Slot, live), OBJ(Slot, made_on),
+    OBJ(Slot, marks), OBJ(Slot, wait_on), OBJ(Slot, wait_stream), SSZ(Slot, generation), SSZ(Slot, holds),
+    SSZ(Slot, index), SSZ(Slot, saved_refs), BOOL(Slot, late), BOOL(Slot, pending), {NULL}};
+static PyMemberDef ops_members[] = {
+    OBJ(Ops, _by_ptr), OBJ(Ops, _index), OBJ(Ops, _raw), OBJ(Ops, capturing), OBJ(Ops, device), OBJ(Ops, record),
+    OBJ(Ops, wait), BOOL(Ops, cuda), {NULL}};
+static PyMemberDef ring_members[] = {
+    OBJ(Ring, _phase), OBJ(Ring, _slots), OBJ(Ring, _by_id), OBJ(Ring, _ops), OBJ(Ring, _fallback),
+    OBJ(Ring, _watchdog), OBJ(Ring, max_shape), SSZ(Ring, _cursor), SSZ(Ring, num_slots), SSZ(Ring, _generation),
+    SSZ(Ring, _acquisitions), SSZ(Ring, _held), SSZ(Ring, _deferred_freed), SSZ(Ring, _peak_held),
+    SSZ(Ring, _gpu_waits), SSZ(Ring, _elided), SSZ(Ring, _releases), BOOL(Ring, debug), BOOL(Ring, _cuda),
+    BOOL(Ring, _elide), {NULL}};
+static PyMemberDef held_members[] = {
+    OBJ(Held, pool), OBJ(Held, name), OBJ(Held, tensor), OBJ(Held, entry), SSZ(Held, lo), SSZ(Held, hi),
+    BOOL(Held, released), BOOL(Held, deferred), {NULL}};
+static PyMemberDef route_members[] = {
+    OBJ(Route, pool), OBJ(Route, name), OBJ(Route, entry), OBJ(Route, dtype), OBJ(Route, queue),
+    OBJ(Route, te_forward), SSZ(Route, cols), SSZ(Route, row_bytes), {NULL}};
+static PyMemberDef tracker_members[] = {
+    OBJ(Tracker, _push), OBJ(Tracker, _pop), SSZ(Tracker, _depth), SSZ(Tracker, regions), BOOL(Tracker, strict),
+    {NULL}};
+
+/* traverse / clear / dealloc over a struct's object fields: one generic set, driven by the member table */
+#define FIELD(o, m) (*(PyObject **)((char *)(o) + (m)->offset))
+
+static PyMemberDef *members_of(PyTypeObject *t);
+
+static int state_traverse(PyObject *self, visitproc visit, void *arg) {
+  for (PyMemberDef *m = members_of(Py_TYPE(self)); m && m->name; m++)
+    if (m->type == T_OBJECT_EX) Py_VISIT(FIELD(self, m));
+  /* a Python subclass's type and __dict__ are visited by its own traverse (subtype_traverse) */
+  return 0;
+}
+
+static int state_clear(PyObject *self) {
+  for (PyMemberDef *m = members_of(Py_TYPE(self)); m && m->name; m++)
+    if (m->type == T_OBJECT_EX) Py_CLEAR(FIELD(self, m));
+  return 0;
+}
+
+static void state_dealloc(PyObject *self) {
+  PyObject_GC_UnTrack(self);
+  state_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+#define STATE_TYPE(var, Name, T, members, doc)                                                            \
+  static PyTypeObject var = {                                                                            \
+      PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath." Name,                           \
+      .tp_basicsize = sizeof(T),                                                                         \
+      .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,                         \
+      .tp_new = PyType_GenericNew,                                                                       \
+      .tp_traverse = state_traverse,                                                                     \
+      .tp_clear = state_clear,                                                                           \
+      .tp_dealloc = state_dealloc,                                                                       \
+      .tp_members = members,                                                                             \
+      .tp_doc = doc,                                                                                     \
+  };
+
+STATE_TYPE(SlotType, "Slot", Slot, slot_members, "A ring slot's fields (base of bufreuse.pool._state._Slot)")
+STATE_TYPE(OpsType, "Ops", Ops, ops_members, "DeviceOps' fields (base of bufreuse.pool._device.DeviceOps)")
+STATE_TYPE(RingType, "Ring", Ring, ring_members, "A ring's hot fields (base of bufreuse.pool.ring.BufferRing)")
+STATE_TYPE(HeldType, "Held", Held, held_members, "An acquisition's fields (base of integrations.core.Held)")
+STATE_TYPE(RouteType, "Route", Route, route_members, "An FC2 route's fields (base of te.out_route.Fc2Route)")
+STATE_TYPE(TrackerType, "Tracker", Tracker, tracker_members, "A region's fields (base of tracking.SavedTracker)")
+
+static PyMemberDef *members_of(PyTypeObject *t) {
+  for (; t != NULL; t = t->tp_base) {
+    if (t == &SlotType) return slot_members;
+    if (t == &OpsType) return ops_members;
+    if (t == &RingType) return ring_members;
+    if (t == &HeldType) return held_members;
+    if (t == &RouteType) return route_members;
+    if (t == &TrackerType) return tracker_members;
+  }
+  return NULL;
+}
+
+#define IS(o, T) PyObject_TypeCheck((o), &T)
+
+/* set a struct's object field (NULL-safe: an unset field reads as missing in Python, the C code treats it so) */
+static void put(PyObject **field, PyObject *value) {
+  Py_XINCREF(value);
+  Py_XSETREF(*field, value);
+}
+
+/* ---- small helpers --------------------------------------------------------------------------------- */
+
+/* tensor.data_ptr() as an integer; -1 (no error) where the Python code's try/except would give up */
+static int data_ptr(PyObject *x, long long *out) {
+  PyObject *v = PyObject_CallMethodNoArgs(x, s_data_ptr);
+  if (v == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_RuntimeError) ||
+        PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      *out = -1;
+      return 0;
+    }
+    return -1;
+  }
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* the current stream as DeviceOps.current_stream caches it (borrowed); FALLBACK when not cached yet */
+static int current_stream(Ops *ops, PyObject **out) {
+  if (ops->_raw == NULL || ops->_raw == Py_None || ops->_index == NULL || ops->_by_ptr == NULL ||
+      !PyDict_CheckExact(ops->_by_ptr))
+    return FALLBACK;
+  PyObject *ptr = PyObject_CallOneArg(ops->_raw, ops->_index);
+  if (ptr == NULL) return -1;
+  PyObject *stream = PyDict_GetItemWithError(ops->_by_ptr, ptr);
+  Py_DECREF(ptr);
+  if (stream == NULL) return PyErr_Occurred() ? -1 : FALLBACK;
+  *out = stream;
+  return DONE;
+}
+
+/* ---- acquire ---------------------------------------------------------------------------------------- */
+
+/* BufferRing.acquire(shape) in eager, production mode, when the cursor's slot is free; FALLBACK otherwise
+ * (before any change). *out: the acquisition (new reference). */
+static int acquire_impl(PyObject *ring_, PyObject *shape, PyObject **out) {
+  if (!IS(ring_, RingType)) return FALLBACK;
+  Ring *ring = (Ring *)ring_;
+  if (ring->debug || ring->_phase != EAGER || ring->_slots == NULL || !PyList_CheckExact(ring->_slots) ||
+      ring->_cursor < 0 || ring->_cursor >= PyList_GET_SIZE(ring->_slots) || ring->_by_id == NULL ||
+      !PyDict_CheckExact(ring->_by_id) || ring->max_shape == NULL || !PyTuple_CheckExact(ring->max_shape))
+    return FALLBACK;
+  PyObject *slot_ = PyList_GET_ITEM(ring->_slots, ring->_cursor);
+  if (!IS(slot_, SlotType)) return FALLBACK;
+  Slot *slot = (Slot *)slot_;
+  if (slot->live != Py_None || slot->base == NULL) return FALLBACK;
+  PyObject *bound = ring->max_shape;
+  Py_ssize_t rows = -1;
+  if (shape != Py_None) {
+    /* the hot path's form: a tuple (rows, *bound[1:]) with 0 <= rows <= bound[0]; anything else: Python */
+    Py_ssize_t n = PyTuple_GET_SIZE(bound);
+    if (!PyTuple_CheckExact(shape) || PyTuple_GET_SIZE(shape) != n || n < 1 ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(shape, 0)))
+      return FALLBACK;
+    for (Py_ssize_t i = 1; i < n; i++) {
+      int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(shape, i), PyTuple_GET_ITEM(bound, i), Py_EQ);
+      if (eq != 1) return eq < 0 ? -1 : FALLBACK;
+    }
+    Py_ssize_t max_rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(bound, 0));
+    rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0));
+    if (PyErr_Occurred()) return -1;
+    if (rows < 0 || rows > max_rows) return FALLBACK;
+    if (rows == max_rows) rows = -1; /* the whole bound: detach(), as the Python code */
+  }
+  PyObject *stream = NULL;
+  Ops *ops = NULL;
+  int need_wait = 0, r;
+  if (ring->_cuda) {
+    if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
+    ops = (Ops *)ring->_ops;
+    if ((r = current_stream(ops, &stream)) != DONE) return r;
+    if (ops->capturing == NULL) return FALLBACK;
+    PyObject *c = PyObject_CallNoArgs(ops->capturing);
+    if (c == NULL) return -1;
+    r = PyObject_IsTrue(c);
+    Py_DECREF(c);
+    if (r != 0) return r < 0 ? -1 : FALLBACK; /* a per-layer graph capturing an eager ring: Python raises */
+    need_wait = slot->wait_on != NULL && slot->wait_on != Py_None && slot->wait_stream != stream;
+    /* an elided event to record first, or a watchdog to tell: Python */
+    if (need_wait && (slot->late || (ring->_watchdog != NULL && ring->_watchdog != Py_None) || ops->wait == NULL))
+      return FALLBACK;
+  }
+  /* every check passed: from here on the acquisition happens */
+  PyObject *view;
+  if (rows < 0) {
+    view = PyObject_CallMethodNoArgs(slot->base, s_detach);
+  } else {
+    PyObject *stop = PyLong_FromSsize_t(rows);
+    PyObject *sl = stop ? PySlice_New(NULL, stop, NULL) : NULL;
+    Py_XDECREF(stop);
+    view = sl ? PyObject_GetItem(slot->base, sl) : NULL;
+    Py_XDECREF(sl);
+  }
+  if (view == NULL) return -1;
+  Py_INCREF(slot);
+  if (ops != NULL) {
+    if (need_wait) {
+      PyObject *args[2] = {slot->wait_on, stream};
+      PyObject *w = PyObject_Vectorcall(ops->wait, args, 2, NULL);
+      if (w == NULL) goto fail;
+      Py_DECREF(w);
+      ring->_gpu_waits += 1;
+    }
+    put(&slot->wait_on, Py_None);
+    slot->late = 0;
+    put(&slot->made_on, stream);
+  }
+  slot->generation = ++ring->_generation;
+  put(&slot->live, view);
+  PyObject *key = PyLong_FromVoidPtr(view);
+  r = key ? PyDict_SetItem(ring->_by_id, key, slot_) : -1;
+  Py_XDECREF(key);
+  if (r < 0) goto fail;
+  ring->_cursor = ring->_cursor + 1 < ring->num_slots ? ring->_cursor + 1 : 0;
+  ring->_acquisitions += 1;
+  ring->_held += 1;
+  Py_ssize_t held = ring->_held - ring->_deferred_freed;
+  if (ring->_fallback != NULL && ring->_fallback != Py_None) {
+    Py_ssize_t n = PyObject_Size(ring->_fallback);
+    if (n < 0) goto fail;
+    held += n;
+  }
+  if (held > ring->_peak_held) ring->_peak_held = held;
+  Py_DECREF(slot);
+  *out = view;
+  return DONE;
+fail:
+  Py_DECREF(slot);
+  Py_DECREF(view);
+  return -1;
+}
+
+static PyObject *py_acquire(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "acquire(ring, shape)");
+    return NULL;
+  }
+  PyObject *view = NULL;
+  int r = acquire_impl(args[0], args[1], &view);
+  if (r < 0) return NULL;
+  if (r == FALLBACK) Py_RETURN_NONE;
+  return view;
+}
+
+/* ---- release ---------------------------------------------------------------------------------------- */
+
+/* BufferRing.release_when_unsaved(tensor) on the current stream when nothing else reads the slot (no saved
+ * reference, hold or reader mark), eager, production mode; FALLBACK otherwise (before any change). */
+static int release_impl(PyObject *ring_, PyObject *tensor) {
+  if (!IS(ring_, RingType)) return FALLBACK;
+  Ring *ring = (Ring *)ring_;
+  if (ring->debug || ring->_phase != EAGER || ring->_by_id == NULL || !PyDict_CheckExact(ring->_by_id))
+    return FALLBACK;
+  PyObject *key = PyLong_FromVoidPtr(tensor);
+  if (key == NULL) return -1;
+  PyObject *slot_ = PyDict_GetItemWithError(ring->_by_id, key); /* borrowed */
+  int r = FALLBACK;
+  if (slot_ == NULL || !IS(slot_, SlotType)) { /* not a live slot acquisition (a fallback allocation, ...): Python */
+    r = PyErr_Occurred() ? -1 : FALLBACK;
+    goto out;
+  }
+  Slot *slot = (Slot *)slot_;
+  if (slot->saved_refs || slot->holds || slot->marks == NULL || !PyList_CheckExact(slot->marks) ||
+      PyList_GET_SIZE(slot->marks) != 0 || slot->eager_event == NULL)
+    goto out;
+  PyObject *stream = NULL;
+  Ops *ops = NULL;
+  if (ring->_cuda) {
+    if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) goto out;
+    ops = (Ops *)ring->_ops;
+    if ((r = current_stream(ops, &stream)) != DONE) goto out;
+    if (!(slot->made_on == stream && ring->_elide) && ops->record == NULL) {
+      r = FALLBACK;
+      goto out;
+    }
+  }
+  /* released now */
+  Py_INCREF(slot);
+  Py_XINCREF(stream);
+  r = PyDict_DelItem(ring->_by_id, key) < 0 ? -1 : DONE;
+  if (r == DONE && ops != NULL) {
+    if (slot->made_on == stream && ring->_elide) { /* same stream: ordered by it; recorded only if another producer comes */
+      put(&slot->wait_on, slot->eager_event);
+      put(&slot->wait_stream, stream);
+      slot->late = 1;
+      ring->_elided += 1;
+    } else {
+      PyObject *args[2] = {slot->eager_event, stream};
+      PyObject *rec = PyObject_Vectorcall(ops->record, args, 2, NULL);
+      if (rec == NULL) {
+        r = -1;
+      } else {
+        Py_DECREF(rec);
+        put(&slot->wait_on, slot->eager_event);
+        put(&slot->wait_stream, stream);
+        slot->late = 0;
+      }
+    }
+  }
+  if (r == DONE) {
+    put(&slot->live, Py_None);
+    ring->_held -= 1;
+    ring->_releases += 1;
+  }
+  Py_DECREF(slot);
+  Py_XDECREF(stream);
+out:
+  Py_DECREF(key);
+  return r;
+}
+
+static PyObject *py_release(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "release(ring, tensor)");
+    return NULL;
+  }
+  int r = release_impl(args[0], args[1]);
+  if (r < 0) return NULL;
+  if (r == FALLBACK) Py_RETURN_NONE;
+  Py_RETURN_TRUE;
+}
+
+/* Held.release(): once; the ring's immediate release, else its Python release_when_unsaved */
+static int held_release_impl(PyObject *held_) {
+  if (!IS(held_, HeldType)) {
+    PyErr_SetString(PyExc_TypeError, "held_release: not a Held");
+    return -1;
+  }
+  Held *held = (Held *)held_;
+  if (held->released) return 0;
+  held->released = 1;
+  if (held->entry == NULL || held->tensor == NULL) {
+    PyErr_SetString(PyExc_AttributeError, "Held without entry or tensor");
+    return -1;
+  }
+  PyObject *entry = Py_NewRef(held->entry), *tensor = Py_NewRef(held->tensor);
+  int deferred = 0, r = release_impl(entry, tensor);
+  if (r == FALLBACK) {
+    PyObject *now = PyObject_CallMethodOneArg(entry, s_release_when_unsaved, tensor);
+    if (now == NULL) {
+      r = -1;
+    } else {
+      int t = PyObject_IsTrue(now);
+      Py_DECREF(now);
+      r = t < 0 ? -1 : DONE;
+      deferred = !t;
+    }
+  }
+  Py_DECREF(entry);
+  Py_DECREF(tensor);
+  if (r < 0) return -1;
+  held->deferred = (char)deferred;
+  return 0;
+}
+
+static PyObject *py_held_release(PyObject *mod, PyObject *held) {
+  if (held_release_impl(held) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* ---- Pack: the saved-tensor pack hook ---------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *spans;  /* list of (first, end, ring, storage pointer), mutated in place by StorageIndex.add */
+  PyObject *strict; /* bool */
+  vectorcallfunc vectorcall;
+} Pack;
+
+static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  Pack *self = (Pack *)self_;
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+    PyErr_SetString(PyExc_TypeError, "pack(tensor)");
+    return NULL;
+  }
+  PyObject *tensor = args[0];
+  PyObject *v = PyObject_CallMethodNoArgs(tensor, s_data_ptr);
+  if (v == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_RuntimeError) ||
+        PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
+      PyErr_Clear();
+      return Py_NewRef(tensor);
+    }
+    return NULL;
+  }
+  unsigned long long ptr = PyLong_AsUnsignedLongLong(v);
+  Py_DECREF(v);
+  if (PyErr_Occurred()) return NULL;
+  Py_ssize_t n = PyList_GET_SIZE(self->spans);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *span = PyList_GET_ITEM(self->spans, i);
+    unsigned long long first = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(span, 0));
+    unsigned long long end = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(span, 1));
+    if (PyErr_Occurred()) return NULL;
+    if (first <= ptr && ptr < end) {
+      PyObject *ring = PyTuple_GET_ITEM(span, 2);
+      return PyObject_CallMethodObjArgs(ring, s__track, tensor, PyTuple_GET_ITEM(span, 3), self->strict, NULL);
+    }
+  }
+  return Py_NewRef(tensor);
+}
+
+static PyObject *pack_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  PyObject *spans, *strict;
+  if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &spans, &strict)) return NULL;
+  Pack *self = (Pack *)type->tp_alloc(type, 0);
+  if (self == NULL) return NULL;
+  self->spans = Py_NewRef(spans);
+  self->strict = Py_NewRef(PyObject_IsTrue(strict) ? Py_True : Py_False);
+  self->vectorcall = pack_call;
+  return (PyObject *)self;
+}
+
+static int pack_traverse(Pack *self, visitproc visit, void *arg) {
+  Py_VISIT(self->spans);
+  return 0;
+}
+
+static int pack_clear(Pack *self) {
+  Py_CLEAR(self->spans);
+  Py_CLEAR(self->strict);
+  return 0;
+}
+
+static void pack_dealloc(Pack *self) {
+  PyObject_GC_UnTrack(self);
+  pack_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* the spans tuples are (int, int, ring, int): checked where they are made (StorageIndex.add), and here */
+static PyTypeObject PackType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.Pack",
+    .tp_basicsize = sizeof(Pack),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Pack, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = pack_new,
+    .tp_traverse = (traverseproc)pack_traverse,
+    .tp_clear = (inquiry)pack_clear,
+    .tp_dealloc = (destructor)pack_dealloc,
+    .tp_doc = "Pack(spans, strict): the saved-tensor pack hook over a StorageIndex's spans",
+};
+
+/* ---- region calls --------------------------------------------------------------------------------------- */
+
+/* fn(*args) inside the tracker's saved-tensor region: SavedTracker.run without its frame */
+static PyObject *tracked_call(Tracker *tracker, PyObject *fn, PyObject *const *args, size_t nargsf,
+                              PyObject *kwnames) {
+  if (tracker->_push == NULL || tracker->_pop == NULL) {
+    PyErr_SetString(PyExc_AttributeError, "SavedTracker without its hooks");
+    return NULL;
+  }
+  PyObject *p = PyObject_CallNoArgs(tracker->_push);
+  if (p == NULL) return NULL;
+  Py_DECREF(p);
+  if (tracker->_depth == 0) tracker->regions += 1;
+  tracker->_depth += 1;
+  PyObject *pop = Py_NewRef(tracker->_pop);
+  PyObject *out = PyObject_Vectorcall(fn, args, nargsf, kwnames);
+  PyObject *exc = out == NULL ? PyErr_GetRaisedException() : NULL;
+  tracker->_depth -= 1;
+  PyObject *q = PyObject_CallNoArgs(pop);
+  Py_DECREF(pop);
+  if (q == NULL) { /* the finally block raised: as in Python, its exception wins */
+    Py_XDECREF(out);
+    Py_XDECREF(exc);
+    return NULL;
+  }
+  Py_DECREF(q);
+  if (exc != NULL) PyErr_SetRaisedException(exc);
+  return out;
+}
+
+/* ---- AfterStage -------------------------------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *stage, *queue, *tracker, *dict;
+  vectorcallfunc vectorcall;
+} AfterStage;
+
+static int in_span(PyObject *held, long long ptr) {
+  if (!IS(held, HeldType)) {
+    PyErr_SetString(PyExc_TypeError, "AfterStage: the queue holds something other than Held");
+    return -1;
+  }
+  return ((Held *)held)->lo <= ptr && ptr < ((Held *)held)->hi;
+}
+
+static PyObject *after_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  AfterStage *self = (AfterStage *)self_;
+  Py_ssize_t queued = PyObject_Size(self->queue);
+  if (queued < 0) return NULL;
+  if (queued == 0) return PyObject_Vectorcall(self->stage, args, nargsf, kwnames);
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject *first = nargs ? args[0] : (kwnames && PyTuple_GET_SIZE(kwnames) ? args[0] : Py_None);
+  long long ptr;
+  if (data_ptr(first, &ptr) < 0) return NULL;
+  int track = 0;
+  for (Py_ssize_t i = 0; i < queued && !track; i++) { /* any queued acquisition: robust to one a raising forward left */
+    PyObject *held = PySequence_GetItem(self->queue, i);
+    if (held == NULL) return NULL;
+    track = in_span(held, ptr);
+    Py_DECREF(held);
+    if (track < 0) return NULL;
+  }
+  PyObject *out = track ? tracked_call((Tracker *)self->tracker, self->stage, args, nargsf, kwnames)
+                        : PyObject_Vectorcall(self->stage, args, nargsf, kwnames);
+  if (out == NULL) return NULL;
+  if ((queued = PyObject_Size(self->queue)) < 0) goto fail;
+  if (queued) {
+    PyObject *front = PySequence_GetItem(self->queue, 0);
+    if (front == NULL) goto fail;
+    long long optr;
+    int inside = data_ptr(out, &optr) < 0 ? -1 : in_span(front, optr);
+    Py_DECREF(front);
+    if (inside < 0) goto fail;
+    if (!inside) { /* the stage's output no longer views the front acquisition: it was its last reader */
+      PyObject *h = PyObject_CallMethodNoArgs(self->queue, s_popleft);
+      if (h == NULL) goto fail;
+      int r = held_release_impl(h);
+      Py_DECREF(h);
+      if (r < 0) goto fail;
+    }
+  }
+  return out;
+fail:
+  Py_DECREF(out);
+  return NULL;
+}
+
+static PyObject *after_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  PyObject *stage, *queue, *tracker;
+  if (!PyArg_ParseTuple(args, "OOO!", &stage, &queue, &TrackerType, &tracker)) return NULL;
+  AfterStage *self = (AfterStage *)type->tp_alloc(type, 0);
+  if (self == NULL) return NULL;
+  self->stage = Py_NewRef(stage);
+  self->queue = Py_NewRef(queue);
+  self->tracker = Py_NewRef(tracker);
+  self->dict = NULL;
+  self->vectorcall = after_call;
+  return (PyObject *)self;
+}
+
+static int after_traverse(AfterStage *self, visitproc visit, void *arg) {
+  Py_VISIT(self->stage);
+  Py_VISIT(self->queue);
+  Py_VISIT(self->tracker);
+  Py_VISIT(self->dict);
+  return 0;
+}
+
+static int after_clear(AfterStage *self) {
+  Py_CLEAR(self->stage);
+  Py_CLEAR(self->queue);
+  Py_CLEAR(self->tracker);
+  Py_CLEAR(self->dict);
+  return 0;
+}
+
+static void after_dealloc(AfterStage *self) {
+  PyObject_GC_UnTrack(self);
+  after_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyGetSetDef with_dict_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject AfterStageType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.AfterStage",
+    .tp_basicsize = sizeof(AfterStage),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(AfterStage, vectorcall),
+    .tp_dictoffset = offsetof(AfterStage, dict),
+    .tp_getset = with_dict_getset,
+    .tp_call = PyVectorcall_Call,
+    .tp_new = after_new,
+    .tp_traverse = (traverseproc)after_traverse,
+    .tp_clear = (inquiry)after_clear,
+    .tp_dealloc = (destructor)after_dealloc,
+    .tp_doc = "AfterStage(stage, queue, tracker): a stage that releases the queue's front after its last reader",
+};
+
+/* ---- IntoRing ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *route_attr, *fallback, *held_type, *ignored, *dict;
+  vectorcallfunc vectorcall;
+} IntoRing;
+
+static PyObject *new_held(PyObject *held_type, Route *route, PyObject *entry, PyObject *slot, long long lo,
+                          Py_ssize_t rows) {
+  PyTypeObject *t = (PyTypeObject *)held_type;
+  Held *held = (Held *)t->tp_alloc(t, 0);
+  if (held == NULL) return NULL;
+  put(&held->pool, route->pool);
+  put(&held->name, route->name);
+  put(&held->tensor, slot);
+  put(&held->entry, entry);
+  held->lo = (Py_ssize_t)lo;
+  held->hi = (Py_ssize_t)(lo + (long long)rows * route->row_bytes);
+  return (PyObject *)held;
+}
+
+/* the slot goes back (Python's release) and the pending exception (or `ignored()`'s) is raised */
+static PyObject *give_back(PyObject *entry, PyObject *slot, PyObject *ignored) {
+  PyObject *exc = PyErr_GetRaisedException();
+  if (exc == NULL) { /* TE returned other storage: the contract error, made by Python */
+    PyObject *e = PyObject_CallNoArgs(ignored);
+    if (e == NULL) return NULL;
+    exc = e;
+  }
+  PyObject *r = PyObject_CallMethodOneArg(entry, s_release, slot);
+  if (r == NULL) { /* as `except BaseException: release(); raise`: the release's error wins, chained */
+    PyObject *again = PyErr_GetRaisedException();
+    PyException_SetContext(again, exc);
+    PyErr_SetRaisedException(again);
+    return NULL;
+  }
+  Py_DECREF(r);
+  PyErr_SetRaisedException(exc);
+  return NULL;
+}
+
+static PyObject *into_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  IntoRing *self = (IntoRing *)self_;
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  if (nargs < 3) return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  for (Py_ssize_t i = 0; i < nkw; i++) { /* out= given: Python refuses it */
+    int eq = PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), s_out);
+    if (eq == -1 && PyErr_Occurred()) return NULL;
+    if (eq == 0) return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  }
+  PyObject *module = args[0], *inp = args[1];
+  PyObject *mdict = PyObject_GenericGetDict(module, NULL), *route_ = NULL, *shape = NULL, *slot = NULL;
+  PyObject *result = NULL, *held = NULL, *kw2 = NULL, **args2 = NULL, *entry = NULL;
+  if (mdict == NULL) {
+    PyErr_Clear();
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  }
+  route_ = PyDict_Check(mdict) ? PyDict_GetItemWithError(mdict, self->route_attr) : NULL;
+  Py_XINCREF(route_);
+  Py_DECREF(mdict);
+  if (route_ == NULL || !IS(route_, RouteType)) {
+    Py_XDECREF(route_);
+    if (PyErr_Occurred()) return NULL;
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  }
+  Route *route = (Route *)route_;
+  int r, fast = 0;
+  Py_ssize_t rows = 0;
+  if (route->entry == NULL || route->dtype == NULL || route->queue == NULL || route->te_forward == NULL) goto slow;
+  entry = Py_NewRef(route->entry);
+  {
+    PyObject *dtype = PyObject_GetAttr(inp, s_dtype);
+    if (dtype == NULL) goto done;
+    r = dtype == route->dtype;
+    Py_DECREF(dtype);
+    if (!r) goto slow; /* a dtype refusal: Python's words */
+    PyObject *ishape = PyObject_GetAttr(inp, s_shape);
+    if (ishape == NULL) goto done;
+    PyObject *r0 = PySequence_GetItem(ishape, 0);
+    Py_DECREF(ishape);
+    if (r0 == NULL) goto done;
+    rows = PyLong_AsSsize_t(r0);
+    PyObject *cols = PyLong_FromSsize_t(route->cols);
+    shape = (rows == -1 && PyErr_Occurred()) || cols == NULL ? NULL : PyTuple_Pack(2, r0, cols);
+    Py_DECREF(r0);
+    Py_XDECREF(cols);
+    if (shape == NULL) goto done;
+    if ((r = acquire_impl(entry, shape, &slot)) < 0) goto done;
+    fast = r == DONE;
+  }
+slow:
+  if (!fast) { /* a dtype refusal, a full ring, debug, capture, ...: the Python route, which acquired nothing yet */
+    result = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    goto done;
+  }
+  long long lo, ylo;
+  if (data_ptr(slot, &lo) < 0) {
+    give_back(entry, slot, self->ignored);
+    goto done;
+  }
+  /* te_forward(module, inp, m_splits, *rest, out=slot, **kwargs) */
+  args2 = PyMem_Malloc(sizeof(PyObject *) * (nargs + nkw + 1));
+  kw2 = PyTuple_New(nkw + 1);
+  if (args2 == NULL || kw2 == NULL) {
+    if (args2 == NULL) PyErr_NoMemory();
+    give_back(entry, slot, self->ignored);
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < nargs + nkw; i++) args2[i] = args[i];
+  for (Py_ssize_t i = 0; i < nkw; i++) PyTuple_SET_ITEM(kw2, i, Py_NewRef(PyTuple_GET_ITEM(kwnames, i)));
+  PyTuple_SET_ITEM(kw2, nkw, Py_NewRef(s_out));
+  args2[nargs + nkw] = slot;
+  result = PyObject_Vectorcall(route->te_forward, args2, nargs, kw2);
+  if (result == NULL) {
+    give_back(entry, slot, self->ignored);
+    goto done;
+  }
+  {
+    PyObject *y = PyTuple_CheckExact(result) && PyTuple_GET_SIZE(result) ? PyTuple_GET_ITEM(result, 0) : result;
+    PyObject *v = PyObject_CallMethodNoArgs(y, s_data_ptr);
+    ylo = v ? PyLong_AsLongLong(v) : -1;
+    Py_XDECREF(v);
+    if (v == NULL || PyErr_Occurred() || ylo != lo) {
+      Py_CLEAR(result);
+      give_back(entry, slot, self->ignored);
+      goto done;
+    }
+  }
+  if ((held = new_held(self->held_type, route, entry, slot, lo, rows)) == NULL) {
+    Py_CLEAR(result); /* as Python: an error after TE's forward leaves the slot acquired, unqueued */
+    goto done;
+  }
+  {
+    PyObject *a = PyObject_CallMethodOneArg(route->queue, s_append, held);
+    if (a == NULL) {
+      Py_CLEAR(result);
+      goto done;
+    }
+    Py_DECREF(a);
+  }
+done:
+  Py_DECREF(route_);
+  Py_XDECREF(entry);
+  Py_XDECREF(shape);
+  Py_XDECREF(slot);
+  Py_XDECREF(held);
+  Py_XDECREF(kw2);
+  if (args2) PyMem_Free(args2);
+  return result;
+}
+
+static PyObject *into_get(PyObject *self, PyObject *obj, PyObject *type) {
+  if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+  return PyMethod_New(self, obj);
+}
+
+static PyObject *into_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  PyObject *route_attr, *fallback, *held_type, *ignored;
+  if (!PyArg_ParseTuple(args, "UOOO", &route_attr, &fallback, &held_type, &ignored)) return NULL;
+  if (!PyType_Check(held_type) || !PyType_IsSubtype((PyTypeObject *)held_type, &HeldType)) {
+    PyErr_SetString(PyExc_TypeError, "IntoRing: held_type must be a subclass of _hotpath.Held");
+    return NULL;
+  }
+  IntoRing *self = (IntoRing *)type->tp_alloc(type, 0);
+  if (self == NULL) return NULL;
+  self->route_attr = Py_NewRef(route_attr);
+  self->fallback = Py_NewRef(fallback);
+  self->held_type = Py_NewRef(held_type);
+  self->ignored = Py_NewRef(ignored);
+  self->dict = NULL;
+  self->vectorcall = into_call;
+  return (PyObject *)self;
+}
+
+static int into_traverse(IntoRing *self, visitproc visit, void *arg) {
+  Py_VISIT(self->fallback);
+  Py_VISIT(self->held_type);
+  Py_VISIT(self->ignored);
+  Py_VISIT(self->dict);
+  return 0;
+}
+
+static int into_clear(IntoRing *self) {
+  Py_CLEAR(self->route_attr);
+  Py_CLEAR(self->fallback);
+  Py_CLEAR(self->held_type);
+  Py_CLEAR(self->ignored);
+  Py_CLEAR(self->dict);
+  return 0;
+}
+
+static void into_dealloc(IntoRing *self) {
+  PyObject_GC_UnTrack(self);
+  into_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject IntoRingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.IntoRing",
+    .tp_basicsize = sizeof(IntoRing),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(IntoRing, vectorcall),
+    .tp_dictoffset = offsetof(IntoRing, dict),
+    .tp_getset = with_dict_getset,
+    .tp_call = PyVectorcall_Call,
+    .tp_descr_get = into_get,
+    .tp_new = into_new,
+    .tp_traverse = (traverseproc)into_traverse,
+    .tp_clear = (inquiry)into_clear,
+    .tp_dealloc = (destructor)into_dealloc,
+    .tp_doc = "IntoRing(route_attr, fallback, held_type, ignored): forward(module, inp, ...) with out= a ring slot",
+};
+
+/* ---- module ------------------------------------------------------------------------------------------ */
+
+static PyObject *py_configure(PyObject *mod, PyObject *eager) {
+  Py_XSETREF(EAGER, Py_NewRef(eager));
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", py_configure, METH_O, "configure(Phase.EAGER): once, before use"},
+    {"acquire", (PyCFunction)(void (*)(void))py_acquire, METH_FASTCALL,
+     "acquire(ring, shape): the acquisition, or None where BufferRing.acquire must run"},
+    {"release", (PyCFunction)(void (*)(void))py_release, METH_FASTCALL,
+     "release(ring, tensor): True (released now), or None where release_when_unsaved must run"},
+    {"held_release", py_held_release, METH_O, "held_release(held): Held.release()"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_hotpath", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+#define INTERN(n) \
+  if ((s_##n = PyUnicode_InternFromString(#n)) == NULL) return NULL;
+  NAMES(INTERN)
+#undef INTERN
+  if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
+  if (PyType_Ready(&PackType) < 0 || PyType_Ready(&AfterStageType) < 0 || PyType_Ready(&IntoRingType) < 0 ||
+      PyType_Ready(&SlotType) < 0 || PyType_Ready(&OpsType) < 0 || PyType_Ready(&RingType) < 0 ||
+      PyType_Ready(&HeldType) < 0 || PyType_Ready(&RouteType) < 0 || PyType_Ready(&TrackerType) < 0)
+    return NULL;
+  PyObject *m = PyModule_Create(&moduledef);
+  if (m == NULL) return NULL;
+  if (PyModule_AddObjectRef(m, "Pack", (PyObject *)&PackType) < 0 ||
+      PyModule_AddObjectRef(m, "AfterStage", (PyObject *)&AfterStageType) < 0 ||
+      PyModule_AddObjectRef(m, "IntoRing", (PyObject *)&IntoRingType) < 0 ||
+      PyModule_AddObjectRef(m, "Slot", (PyObject *)&SlotType) < 0 ||
+      PyModule_AddObjectRef(m, "Ops", (PyObject *)&OpsType) < 0 ||
+      PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0 ||
+      PyModule_AddObjectRef(m, "Held", (PyObject *)&HeldType) < 0 ||
+      PyModule_AddObjectRef(m, "Route", (PyObject *)&RouteType) < 0 ||
+      PyModule_AddObjectRef(m, "Tracker", (PyObject *)&TrackerType) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

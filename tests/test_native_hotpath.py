@@ -1,0 +1,389 @@
+"""The C hot path (``bufreuse/native/hotpath.c``) against the Python reference it stands in for.
+
+Every fast path is driven side by side with the Python method on two identical rings and must leave the same
+state: counters, cursor, each slot's fields, and the same event records and waits on the same streams. The
+CUDA side runs on CPU rings given fake device operations (streams and events are plain objects; the C code
+calls whatever ``ring._ops`` holds), so the stream logic (same-stream elision, cross-stream record and wait,
+the cases left to Python) is exercised here; the H200 runs the real one (tests/test_pool_gpu.py and every
+hooked-layer test, in production mode, go through it). The layer tests run a real megatron-core layer with
+the C path and with the Python path and compare outputs, gradients and every ring counter.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+from collections import deque
+
+import pytest
+import torch
+
+from bufreuse import native
+from bufreuse.integrations.core import Held
+from bufreuse.pool import BufferPool, BufferRing, Phase, SavedForBackwardError
+from bufreuse.pool._device import DeviceOps
+from bufreuse.pool.tracking import _pack_unpack
+
+HOT = native.hotpath()
+
+
+def test_the_c_hot_path_builds_here() -> None:
+    """CI and the H200 have a C compiler and Python's headers: the C path is what production runs there."""
+    assert native.status() == "on" and HOT is not None
+    assert BufferPool("cpu").hotpath is HOT
+    assert BufferPool("cpu", debug=True).hotpath is None  # debug mode: the Python path, with its checks
+    assert BufferPool("cpu", native=False).hotpath is None
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """``native`` with no state: the next ``hotpath()`` builds (or refuses) again; restored afterwards."""
+    saved = dict(native._state)
+    native._reset()
+    monkeypatch.setenv("BUFREUSE_CACHE_DIR", str(tmp_path / "cache"))
+    yield tmp_path / "cache"
+    native._reset()
+    native._state.update(saved)
+
+
+def test_without_a_compiler_the_python_path_runs(fresh_native, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert native.status().startswith("unavailable: cannot run the C compiler")
+    assert BufferPool("cpu").hotpath is None
+    assert not list(fresh_native.glob("*.so"))  # nothing half-written
+
+
+def test_a_failed_compile_leaves_nothing_and_says_why(fresh_native, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "cc -DBUFREUSE_BROKEN=1 -include /nonexistent/header.h")
+    assert native.status().startswith("unavailable:") and "failed" in native.status()
+    assert not list(fresh_native.iterdir()) or not list(fresh_native.glob("*.so"))
+
+
+def test_bufreuse_native_0_turns_it_off(fresh_native, monkeypatch) -> None:
+    monkeypatch.setenv("BUFREUSE_NATIVE", "0")
+    assert native.status() == "off (BUFREUSE_NATIVE=0)"
+    assert BufferPool("cpu").hotpath is None
+    assert BufferPool("cpu", native=True).hotpath is None  # hotpath() itself is off
+
+
+def test_the_build_is_cached_by_source_and_interpreter(fresh_native) -> None:
+    path = native.build()
+    assert path.parent == fresh_native and path.exists()
+    mtime = path.stat().st_mtime_ns
+    assert native.build() == path and path.stat().st_mtime_ns == mtime  # built once
+
+
+# -- fake CUDA: streams, events, the operations the ring calls -------------------------------------------
+
+
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _FakeOps(DeviceOps):
+    """DeviceOps over named streams: its fields (what the C code reads: ``_raw``, ``_index``, ``_by_ptr``,
+    ``capturing``, ``record``, ``wait``) set to fakes; its own Python methods (``current_stream``) kept."""
+
+    __slots__ = ("capture", "current", "log")
+
+    def __init__(self, log: list, streams: dict[int, _Named]) -> None:
+        self.log, self._index, self.current, self.cuda, self.device = log, 0, 1, True, torch.device("cpu")
+        self._by_ptr = streams
+        self.capture = False
+        self._raw = lambda index: self.current
+        self.capturing = lambda: self.capture
+        self.record = lambda event, stream: log.append(("record", event.name, stream.name))
+        self.wait = lambda event, stream: log.append(("wait", event.name, stream.name))
+
+    def current_stream(self):
+        return self._by_ptr[self._raw(self._index)]
+
+    def new_event(self):
+        return _Named("spare")
+
+
+def _fake_cuda_ring(name: str, slots: int = 3) -> tuple[BufferRing, _FakeOps, list]:
+    ring = BufferRing(name, slots, (8, 4), torch.float32, "cpu", debug=False)
+    log: list = []
+    ops = _FakeOps(log, {1: _Named("compute"), 2: _Named("comm"), 3: _Named("side")})
+    ring._cuda, ring._ops = True, ops
+    for slot in ring._slots:
+        slot.eager_event, slot.capture_event = _Named(f"e{slot.index}"), _Named(f"c{slot.index}")
+    return ring, ops, log
+
+
+def _name(x):
+    return None if x is None else x.name
+
+
+def _state(ring: BufferRing) -> dict:
+    slots = [
+        (
+            s.live is None,
+            None if s.live is None else tuple(s.live.shape),
+            s.generation,
+            _name(s.wait_on),
+            _name(s.wait_stream),
+            s.late,
+            _name(s.made_on),
+            s.saved_refs,
+            s.holds,
+            s.pending,
+            [(_name(m[0]), _name(m[1]), m[2]) for m in s.marks],
+        )
+        for s in ring._slots
+    ]
+    return {"slots": slots, "stats": ring.stats, "cursor": ring.cursor, "held": ring.held, "elide": ring._elide}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_acquire_and_release_match_the_python_reference(seed: int) -> None:
+    """Random programs over three streams: acquisitions (a row prefix or the whole bound, the cursor's slot or
+    the next free one), immediate releases, deferred ones (a saved reference counted, freed later), on the
+    producer's stream or another: both rings end every step in the same state with the same event log."""
+    rng = random.Random(seed)
+    rings = {fast: _fake_cuda_ring(f"r{fast}") for fast in (False, True)}
+    held: dict[bool, list] = {False: [], True: []}
+    fast_releases = fast_acquires = 0
+    for _ in range(80):
+        stream, rows, pick, saved = rng.choice([1, 1, 1, 2, 3]), rng.choice([8, 8, 5, 0, 3]), rng.random(), rng.random()
+        acquire = rng.random() < 0.5
+        for fast, (ring, ops, _log) in rings.items():
+            ops.current = stream
+            h = held[fast]
+            if (acquire or not h) and ring.held < ring.num_slots:
+                if fast:
+                    t = HOT.acquire(ring, (rows, 4))
+                    fast_acquires += t is not None
+                    t = t if t is not None else ring.acquire((rows, 4))
+                else:
+                    t = ring.acquire((rows, 4))
+                h.append([t, False])
+                continue
+            if not h:
+                continue
+            entry = h[int(pick * len(h))]
+            t, deferred = entry
+            slot = ring._slot_for(t, ring._storage_ptr)
+            if deferred:  # autograd frees the saved reference on this stream: the deferred release completes
+                ring._untrack(slot, slot.generation, ring._epoch)
+                h[:] = [e for e in h if e is not entry]
+                continue
+            if saved < 0.25:
+                with ring._lock:
+                    slot.saved_refs += 1
+            if fast:
+                now = HOT.release(ring, t)
+                fast_releases += now is not None
+                now = True if now is not None else ring.release_when_unsaved(t)
+            else:
+                now = ring.release_when_unsaved(t)
+            if now:
+                h[:] = [e for e in h if e is not entry]
+            else:
+                entry[1] = True
+        a, b = rings[False], rings[True]
+        assert _state(a[0]) == _state(b[0])
+        assert a[2] == b[2]  # the same records and waits, on the same streams, in the same order
+    assert fast_acquires > 5 and fast_releases > 5  # the C path did the work, not only its fallbacks
+
+
+def test_each_fast_path_declines_what_python_must_do() -> None:
+    """The cases the C code leaves to Python answer None and change nothing (state equal before and after)."""
+    ring, ops, log = _fake_cuda_ring("r")
+    t = HOT.acquire(ring, (8, 4))
+    assert t is not None and ring.stats.acquisitions == 1  # positive control: the common case is taken
+    before = _state(ring)
+    assert HOT.acquire(ring, (9, 4)) is None  # beyond the bound: Python raises StaticShapeError
+    for shape in ((8, 5), [8, 4], (8.0, 4)):  # another width, not the tuple form, not an int: Python's checks
+        assert HOT.acquire(ring, shape) is None
+    ops.capture = True
+    assert HOT.acquire(ring, (8, 4)) is None  # a per-layer graph capturing an eager ring: Python raises
+    ops.capture = False
+    ops.current = 9  # a stream DeviceOps has not cached yet
+    assert HOT.acquire(ring, (8, 4)) is None and HOT.release(ring, t) is None
+    ops.current = 1
+    assert HOT.release(ring, torch.empty(8, 4)) is None  # not an acquisition: Python raises ForeignTensorError
+    slot = ring._slots[0]
+    slot.saved_refs = 1
+    assert HOT.release(ring, t) is None  # a saved reference: Python defers
+    slot.saved_refs = 0
+    ring._phase = Phase.GRAPHED
+    assert HOT.acquire(ring, (8, 4)) is None and HOT.release(ring, t) is None
+    ring._phase = Phase.EAGER
+    ring.debug = True
+    assert HOT.acquire(ring, (8, 4)) is None and HOT.release(ring, t) is None
+    ring.debug = False
+    assert _state(ring) == before and log == []
+    assert HOT.release(ring, t) is True and ring.held == 0
+    # a producer on another stream must first record the elided release event: Python (_record_late)
+    assert ring._slots[0].late and ring._slots[0].wait_stream.name == "compute"
+    ring._cursor, ops.current = 0, 2
+    state = _state(ring)
+    assert HOT.acquire(ring, (8, 4)) is None and _state(ring) == state and log == []
+    ring.acquire((8, 4))
+    assert log == [("record", "e0", "compute"), ("wait", "e0", "comm")]
+
+
+def test_held_release_is_helds() -> None:
+    """``held_release``: once; an immediate release in C, a deferred one through Python; ``deferred`` as Python's."""
+    pool = BufferPool("cpu")
+    pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+    ring = pool.get("x")
+    a, b = (Held(pool, "x", ring.acquire((8, 4)), ring) for _ in range(2))
+    ring._slots[1].saved_refs = 1
+    HOT.held_release(a)
+    HOT.held_release(b)
+    assert (a.released, a.deferred, b.released, b.deferred) == (True, False, True, True)
+    assert ring.stats.deferred_releases == 1 and ring.held == 1
+    HOT.held_release(a)  # once
+    assert ring.stats.releases == 1
+    ring._untrack(ring._slots[1], ring._slots[1].generation, ring._epoch)
+    assert ring.held == 0
+    other = BufferPool("cpu")
+    other.register("y", policy="record-stream", num_slots=0, max_shape=(8, 4), dtype=torch.float32)
+    c = Held(other, "y", other.acquire("y", (8, 4)))
+    HOT.held_release(c)  # an allocator policy: its own release_when_unsaved
+    assert c.released and not c.deferred and other.stats()["y"].releases == 1
+
+
+def test_pack_matches_the_python_pack() -> None:
+    """The C pack hook returns what the Python one returns: a counted reference for a view of a held slot (any
+    view, any ring), the tensor itself otherwise (other memory, no data pointer, not a tensor)."""
+    pool = BufferPool("cpu")
+    for name in ("x", "y"):
+        pool.register(name, policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+    index = pool._rings_by_storage
+    packs = {"python": _pack_unpack(index, False)[0], "c": HOT.Pack(index.spans, False)}
+    assert type(packs["c"]) is HOT.Pack and pool.track_saved()._push.args[0].__class__ is HOT.Pack
+    x, y = pool.acquire("x", (8, 4)), pool.acquire("y", (5, 4))
+    cases = [x, x[3:], x.view(-1)[7:], y, y.t(), torch.empty(8, 4), torch.empty(0), 7, "text"]
+    kept = []
+    for case in cases:
+        got = {k: p(case) for k, p in packs.items()}
+        kept.append(got)
+        if isinstance(case, torch.Tensor) and pool.is_ring_storage(case) and case.numel():
+            a, b = got["python"], got["c"]
+            assert type(a).__name__ == type(b).__name__ == "_SavedRef" and a.slot is b.slot and b.tensor is case
+        else:
+            assert got["python"] is case and got["c"] is case
+    assert pool.get("x")._slots[0].saved_refs == 2 * 3  # three views of x's slot, packed by each
+    kept.clear()  # autograd frees them: counted down
+    assert pool.get("x")._slots[0].saved_refs == 0
+    pool.get("x")._slots[1].live = None  # strict mode: a released slot's alias is refused by both
+    strict = {"python": _pack_unpack(index, True)[0], "c": HOT.Pack(index.spans, True)}
+    stale = pool.get("x")._slots[1].base
+    for p in strict.values():
+        with pytest.raises(SavedForBackwardError, match="released slot"):
+            p(stale)
+
+
+pytest.importorskip("megatron.core")
+
+
+def _layer_run(native: bool, seeds: range):
+    from megatron_cpu import cpu_moe_layer, install_exercising_rings
+    from test_hot_path import TOKENS, _knobs, _step
+
+    torch.manual_seed(0)
+    layer = cpu_moe_layer(8, "alltoall", 32)
+    pool = BufferPool("cpu", native=native, debug=False)
+    out = []
+    with install_exercising_rings(layer, pool, _knobs(), tokens=TOKENS):
+        assert (pool.hotpath is not None) is native
+        stage = layer.token_dispatcher.combine_postprocess
+        assert (type(stage) is HOT.AfterStage) is native  # the C stage is the one installed, or the Python one
+        for seed in seeds:
+            out.append(_step(layer, seed))
+        regions = pool.track_saved().regions
+    return out, pool.stats(), regions
+
+
+def test_a_hooked_layer_gives_the_same_results_with_either_path(parallel) -> None:
+    """Real megatron-core layer, both rings: outputs, input gradients, every ring counter and the saved-tensor
+    regions entered are the same with the C path and with the Python one (production mode, both)."""
+    (c_out, c_stats, c_regions), (py_out, py_stats, py_regions) = (
+        _layer_run(native, range(5)) for native in (True, False)
+    )
+    for (yc, gc_), (yp, gp) in zip(c_out, py_out, strict=True):
+        assert torch.equal(yc, yp) and torch.equal(gc_, gp)
+    assert c_stats == py_stats and c_regions == py_regions
+    assert c_stats["expert_fc2_output"].acquisitions == 5 and c_stats["expert_fc2_output"].releases == 5
+
+
+@pytest.mark.filterwarnings("ignore")  # pytest keeps every warning megatron emits: objects that would grow here
+def test_the_c_path_leaks_no_reference(parallel) -> None:
+    """Reference counts of what the C code touches are the same before and after many layer calls, and no
+    object accumulates (a missing decref in the C code shows here: scripts/mutations.toml's native-* entries)."""
+    from megatron_cpu import cpu_moe_layer, install_exercising_rings
+    from test_hot_path import TOKENS, _knobs, _step
+
+    layer = cpu_moe_layer(8, "alltoall", 32)
+    pool = BufferPool("cpu", debug=False)
+    with install_exercising_rings(layer, pool, _knobs(), tokens=TOKENS):
+        ring = pool.get("expert_fc2_output")
+        watched = [ring, pool, ring._slots[0], ring._slots[1], pool.track_saved(), ring._ops]
+        for seed in range(40):  # warm: megatron's and torch's own caches fill on the first pass
+            _step(layer, seed)
+        gc.collect()
+        before = [sys.getrefcount(o) for o in watched]
+        objects = len(gc.get_objects())
+        for seed in range(40):
+            _step(layer, seed)
+        gc.collect()
+        after = [sys.getrefcount(o) for o in watched]
+        grown = len(gc.get_objects()) - objects
+    assert after == before and grown < 40
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_the_te_module_route_is_the_same_in_c(native: bool) -> None:
+    """The FC2 route (fake TE ``GroupedLinear`` with upstream's signature plus ``out=``): the slot is TE's output,
+    queued with its byte span, the refusals as in Python, and the C route leaks nothing over many calls."""
+    from fakes import te_grouped_linear as te
+    from test_integrations_adapters import TOKENS, _fc2_case
+
+    from bufreuse.config import BufReuseConfig
+    from bufreuse.errors import ConfigError
+    from bufreuse.integrations.core import Installation
+    from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
+    from bufreuse.pool import StaticShapeError
+
+    hidden, splits, name, _, fc2, ref = _fc2_case()
+    pool = BufferPool("cpu", native=native)
+    pool.register(name, policy="ring", num_slots=2, max_shape=(32, 8), dtype=torch.float32)
+    got: deque = deque()
+    inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
+    route = Fc2Route(pool, name, 8, got, te.GroupedLinear.forward)
+    route_into_ring(inst, fc2, route)
+    forward = vars(fc2._bufreuse_shim)["forward"]
+    assert (type(forward) is HOT.IntoRing) is native
+    y, _ = fc2(hidden, splits)
+    held = got[0]
+    assert torch.equal(y, ref) and y.data_ptr() == held.tensor.data_ptr() == held.lo and pool.owns(name, held.tensor)
+    assert held.hi == held.lo + y.nbytes and not held.released and held.entry is pool.get(name)
+    HOT.held_release(got.popleft())
+    with pytest.raises(StaticShapeError, match=r"holds torch\.float32"):  # a dtype refusal: Python's words
+        fc2(hidden.double(), splits)
+    with pytest.raises(ConfigError, match="out="):
+        fc2._bufreuse_shim.forward(fc2, hidden, splits, out=torch.empty(TOKENS, 8))
+    assert pool.get(name).held == 0 and not got
+    ring = pool.get(name)
+    for _ in range(3):
+        fc2(hidden, splits)
+        got.popleft().release()
+    gc.collect()
+    watched = [ring, route, fc2, hidden, splits, te.GroupedLinear.forward, Held, ring._slots[0]]
+    before, objects = [sys.getrefcount(o) for o in watched], len(gc.get_objects())
+    for _ in range(200):
+        fc2(hidden, splits)
+        got.popleft().release()
+    gc.collect()
+    assert [sys.getrefcount(o) for o in watched] == before and len(gc.get_objects()) - objects < 40
+    assert ring.stats.acquisitions == 204 and ring.held == 0
+    inst.uninstall()
