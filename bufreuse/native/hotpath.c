@@ -56,6 +56,10 @@ static void PyErr_SetRaisedException(PyObject *v) {
 #endif
 
 static PyObject *EAGER = NULL;     /* bufreuse.pool._state.Phase.EAGER */
+/* torch.Tensor and collections.deque, and their descriptors, looked up once (configure): a call on an object of
+ * exactly that type goes to the descriptor, with no attribute lookup on the type (cold on a busy host) */
+static PyTypeObject *TENSOR = NULL, *DEQUE = NULL;
+static PyObject *T_DATA_PTR = NULL, *T_DETACH = NULL, *T_DTYPE = NULL, *D_POPLEFT = NULL, *D_APPEND = NULL;
 static PyObject *EMPTY = NULL;     /* () */
 
 #define NAMES(X) X(data_ptr) X(detach) X(_track) X(release_when_unsaved) X(release) X(out) X(popleft) X(append) \
@@ -204,9 +208,25 @@ static void put(PyObject **field, PyObject *value) {
 
 /* ---- small helpers --------------------------------------------------------------------------------- */
 
+/* x.name() / x.name(arg) through the descriptor cached for x's exact type, else by lookup */
+static PyObject *call0(PyObject *x, PyTypeObject *type, PyObject *descr, PyObject *name) {
+  if (descr != NULL && Py_TYPE(x) == type) return PyObject_Vectorcall(descr, &x, 1, NULL);
+  return PyObject_CallMethodNoArgs(x, name);
+}
+
+static PyObject *call1(PyObject *x, PyTypeObject *type, PyObject *descr, PyObject *name, PyObject *arg) {
+  if (descr != NULL && Py_TYPE(x) == type) {
+    PyObject *args[2] = {x, arg};
+    return PyObject_Vectorcall(descr, args, 2, NULL);
+  }
+  return PyObject_CallMethodOneArg(x, name, arg);
+}
+
+#define TENSOR_CALL(x, D, n) call0((x), TENSOR, (D), (n))
+
 /* tensor.data_ptr() as an integer; -1 (no error) where the Python code's try/except would give up */
 static int data_ptr(PyObject *x, long long *out) {
-  PyObject *v = PyObject_CallMethodNoArgs(x, s_data_ptr);
+  PyObject *v = TENSOR_CALL(x, T_DATA_PTR, s_data_ptr);
   if (v == NULL) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_RuntimeError) ||
         PyErr_ExceptionMatches(PyExc_TypeError)) {
@@ -289,7 +309,7 @@ static int acquire_impl(PyObject *ring_, PyObject *shape, PyObject **out) {
   /* every check passed: from here on the acquisition happens */
   PyObject *view;
   if (rows < 0) {
-    view = PyObject_CallMethodNoArgs(slot->base, s_detach);
+    view = TENSOR_CALL(slot->base, T_DETACH, s_detach);
   } else {
     PyObject *stop = PyLong_FromSsize_t(rows);
     PyObject *sl = stop ? PySlice_New(NULL, stop, NULL) : NULL;
@@ -480,7 +500,7 @@ static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf
     return NULL;
   }
   PyObject *tensor = args[0];
-  PyObject *v = PyObject_CallMethodNoArgs(tensor, s_data_ptr);
+  PyObject *v = TENSOR_CALL(tensor, T_DATA_PTR, s_data_ptr);
   if (v == NULL) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_RuntimeError) ||
         PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
@@ -623,7 +643,7 @@ static PyObject *after_call(PyObject *self_, PyObject *const *args, size_t nargs
     Py_DECREF(front);
     if (inside < 0) goto fail;
     if (!inside) { /* the stage's output no longer views the front acquisition: it was its last reader */
-      PyObject *h = PyObject_CallMethodNoArgs(self->queue, s_popleft);
+      PyObject *h = call0(self->queue, DEQUE, D_POPLEFT, s_popleft);
       if (h == NULL) goto fail;
       int r = held_release_impl(h);
       Py_DECREF(h);
@@ -763,15 +783,23 @@ static PyObject *into_call(PyObject *self_, PyObject *const *args, size_t nargsf
   if (route->entry == NULL || route->dtype == NULL || route->queue == NULL || route->te_forward == NULL) goto slow;
   entry = Py_NewRef(route->entry);
   {
-    PyObject *dtype = PyObject_GetAttr(inp, s_dtype);
+    PyObject *dtype = T_DTYPE != NULL && Py_TYPE(inp) == TENSOR
+                          ? Py_TYPE(T_DTYPE)->tp_descr_get(T_DTYPE, inp, (PyObject *)TENSOR)
+                          : PyObject_GetAttr(inp, s_dtype);
     if (dtype == NULL) goto done;
     r = dtype == route->dtype;
     Py_DECREF(dtype);
     if (!r) goto slow; /* a dtype refusal: Python's words */
-    PyObject *ishape = PyObject_GetAttr(inp, s_shape);
-    if (ishape == NULL) goto done;
-    PyObject *r0 = PySequence_GetItem(ishape, 0);
-    Py_DECREF(ishape);
+    PyObject *r0;
+    if (Py_TYPE(inp) == TENSOR && PyObject_Size(inp) >= 0) { /* len(tensor): its first dimension, no torch.Size */
+      r0 = PyLong_FromSsize_t(PyObject_Size(inp));
+    } else {
+      PyErr_Clear(); /* a 0-d tensor has no len(): shape[0] raises as Python's would */
+      PyObject *ishape = PyObject_GetAttr(inp, s_shape);
+      if (ishape == NULL) goto done;
+      r0 = PySequence_GetItem(ishape, 0);
+      Py_DECREF(ishape);
+    }
     if (r0 == NULL) goto done;
     rows = PyLong_AsSsize_t(r0);
     PyObject *cols = PyLong_FromSsize_t(route->cols);
@@ -811,7 +839,7 @@ slow:
   }
   {
     PyObject *y = PyTuple_CheckExact(result) && PyTuple_GET_SIZE(result) ? PyTuple_GET_ITEM(result, 0) : result;
-    PyObject *v = PyObject_CallMethodNoArgs(y, s_data_ptr);
+    PyObject *v = TENSOR_CALL(y, T_DATA_PTR, s_data_ptr);
     ylo = v ? PyLong_AsLongLong(v) : -1;
     Py_XDECREF(v);
     if (v == NULL || PyErr_Occurred() || ylo != lo) {
@@ -825,7 +853,7 @@ slow:
     goto done;
   }
   {
-    PyObject *a = PyObject_CallMethodOneArg(route->queue, s_append, held);
+    PyObject *a = call1(route->queue, DEQUE, D_APPEND, s_append, held);
     if (a == NULL) {
       Py_CLEAR(result);
       goto done;
@@ -907,13 +935,35 @@ static PyTypeObject IntoRingType = {
 
 /* ---- module ------------------------------------------------------------------------------------------ */
 
-static PyObject *py_configure(PyObject *mod, PyObject *eager) {
+static PyObject *py_configure(PyObject *mod, PyObject *args) {
+  PyObject *eager, *tensor, *deque;
+  if (!PyArg_ParseTuple(args, "OO!O!", &eager, &PyType_Type, &tensor, &PyType_Type, &deque)) return NULL;
+  PyObject *data_ptr = PyObject_GetAttr(tensor, s_data_ptr), *detach = PyObject_GetAttr(tensor, s_detach);
+  PyObject *dtype = PyObject_GetAttr(tensor, s_dtype); /* on the class: the getset descriptor itself */
+  PyObject *popleft = PyObject_GetAttr(deque, s_popleft), *append = PyObject_GetAttr(deque, s_append);
+  if (data_ptr == NULL || detach == NULL || popleft == NULL || append == NULL || dtype == NULL ||
+      Py_TYPE(dtype)->tp_descr_get == NULL) {
+    Py_XDECREF(data_ptr);
+    Py_XDECREF(detach);
+    Py_XDECREF(dtype);
+    Py_XDECREF(popleft);
+    Py_XDECREF(append);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "configure: not torch.Tensor / collections.deque");
+    return NULL;
+  }
   Py_XSETREF(EAGER, Py_NewRef(eager));
+  Py_XSETREF(TENSOR, (PyTypeObject *)Py_NewRef(tensor));
+  Py_XSETREF(DEQUE, (PyTypeObject *)Py_NewRef(deque));
+  Py_XSETREF(T_DATA_PTR, data_ptr);
+  Py_XSETREF(T_DETACH, detach);
+  Py_XSETREF(T_DTYPE, dtype);
+  Py_XSETREF(D_POPLEFT, popleft);
+  Py_XSETREF(D_APPEND, append);
   Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"configure", py_configure, METH_O, "configure(Phase.EAGER): once, before use"},
+    {"configure", py_configure, METH_VARARGS, "configure(Phase.EAGER, torch.Tensor, collections.deque): once"},
     {"acquire", (PyCFunction)(void (*)(void))py_acquire, METH_FASTCALL,
      "acquire(ring, shape): the acquisition, or None where BufferRing.acquire must run"},
     {"release", (PyCFunction)(void (*)(void))py_release, METH_FASTCALL,

@@ -18,6 +18,7 @@ GPU work.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -597,4 +598,4 @@ class BufferRing(*_RING_BASES):
 
 
 if hotpath() is not None:
-    hotpath().configure(Phase.EAGER)
+    hotpath().configure(Phase.EAGER, torch.Tensor, collections.deque)
