@@ -4,7 +4,8 @@
 round runs again with one piece of the pool (the ring's acquire, its release, the ``Held`` record, the
 saved-tensor region) wrapped as an *original*: the drop against the plain round is that piece's share,
 cold caches and all. Variants are interleaved (A B C ... A B C ...) over ``--repeats`` passes in one process
-on one layer; the median per variant is printed, with the spread over passes.
+on one layer; the median per variant is printed, with the spread over passes. It measures the Python hot path (it sets
+``BUFREUSE_NATIVE=0`` unless set: the C one of ``bufreuse.native`` has no lines to trace or methods to wrap).
 
     python scripts/hook_breakdown.py --preset host-bound --spec te --pad [--precision fp8] [--json out.json]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
+    os.environ.setdefault("BUFREUSE_NATIVE", "0")  # before bufreuse is imported: the Python path
 
     from bufreuse.bench import hook_time
     from bufreuse.bench import layer_bench as lb

@@ -7,7 +7,8 @@ wrapper, the ring's acquire and release, ``Held``, the saved-tensor region and p
 untraced. Each line is charged the time until the next event of the same thread, the monitoring callback's own
 cost included; that cost is measured on a calibration function of empty lines and printed beside (subtract it
 per line event). Counts are line *events*: a line that calls another monitored function is charged before the call
-and again after it returns. Python >= 3.12.
+and again after it returns. Python >= 3.12. It measures the Python hot path (it sets
+``BUFREUSE_NATIVE=0`` unless set: the C one of ``bufreuse.native`` has no lines to trace or methods to wrap).
 
     python scripts/hook_lines.py --preset host-bound --spec te --pad [--precision fp8] [--json out.json]
 """
@@ -18,6 +19,7 @@ import argparse
 import gc
 import json
 import linecache
+import os
 import statistics
 import sys
 import threading
@@ -145,6 +147,7 @@ def main() -> None:
     if sys.version_info < (3, 12):
         print("hook_lines.py: needs Python >= 3.12 (sys.monitoring)", file=sys.stderr)
         raise SystemExit(2)
+    os.environ.setdefault("BUFREUSE_NATIVE", "0")  # before bufreuse is imported: the Python path
 
     from bufreuse.bench import layer_bench as lb
 
