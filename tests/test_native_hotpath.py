@@ -11,6 +11,7 @@ the C path and with the Python path and compare outputs, gradients and every rin
 
 from __future__ import annotations
 
+import copy
 import gc
 import random
 import sys
@@ -34,6 +35,11 @@ def test_the_c_hot_path_builds_here() -> None:
     assert BufferPool("cpu").hotpath is HOT
     assert BufferPool("cpu", debug=True).hotpath is None  # debug mode: the Python path, with its checks
     assert BufferPool("cpu", native=False).hotpath is None
+    # a production pool's rings take the C path in their own acquire / release too (the dispatch path calls them)
+    for debug, use_native, want in ((False, None, HOT), (True, None, None), (False, False, None)):
+        pool = BufferPool("cpu", debug=debug, native=use_native)
+        pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+        assert pool.get("x")._hot is want
 
 
 @pytest.fixture
@@ -213,6 +219,13 @@ def test_each_fast_path_declines_what_python_must_do() -> None:
     slot.saved_refs = 1
     assert HOT.release(ring, t) is None  # a saved reference: Python defers
     slot.saved_refs = 0
+    slot.holds = 1
+    assert HOT.release(ring, t) is None  # a hold: Python defers
+    slot.holds = 0
+    slot.marks.append((ops._by_ptr[2], _Named("m"), True))
+    assert HOT.release(ring, t) is None  # a reader's mark to join: Python records and waits
+    slot.marks.clear()
+    assert HOT.acquire(ring, (2**70, 4)) is None  # beyond any integer: Python's StaticShapeError
     ring._phase = Phase.GRAPHED
     assert HOT.acquire(ring, (8, 4)) is None and HOT.release(ring, t) is None
     ring._phase = Phase.EAGER
@@ -228,6 +241,62 @@ def test_each_fast_path_declines_what_python_must_do() -> None:
     assert HOT.acquire(ring, (8, 4)) is None and _state(ring) == state and log == []
     ring.acquire((8, 4))
     assert log == [("record", "e0", "compute"), ("wait", "e0", "comm")]
+    # a wait the debug watchdog must be told of: Python (the slot now waits on a recorded event, not a late one)
+    ring.release(ring._slots[0].live)
+    ring._cursor, ops.current, ring._watchdog = 0, 1, object()
+    log.clear()
+    state = _state(ring)
+    assert HOT.acquire(ring, (8, 4)) is None and _state(ring) == state and log == []
+    ring._watchdog = None
+    assert HOT.acquire(ring, (8, 4)) is not None and log == [("wait", "e0", "compute")]  # positive control
+
+
+def test_peak_held_counts_fallback_allocations_as_python_does() -> None:
+    """A full ring serving the allocator (``on_exhausted='allocate'``): the C acquire's peak counts them too. (Only
+    parity: allocations happen only with every slot held, so a later slot acquisition cannot raise the peak past
+    it; leaving the term out of the C code is an equivalent mutant, not in scripts/mutations.toml.)"""
+    rings = []
+    for fast in (False, True):
+        ring = BufferRing(f"r{fast}", 2, (8, 4), torch.float32, "cpu", debug=False, on_exhausted="allocate")
+        ring._warned = True
+        held = [ring.acquire((8, 4)) for _ in range(4)]  # two slots, two allocations
+        ring.release(held[0])
+        t = HOT.acquire(ring, (8, 4)) if fast else ring.acquire((8, 4))
+        assert t is not None and ring.stats.fallback_allocations == 2
+        rings.append(ring)
+    assert rings[0].stats == rings[1].stats and rings[1].stats.peak_held == 4
+
+
+def test_the_fast_paths_leak_nothing_over_fake_streams() -> None:
+    """Thousands of acquire / release pairs taking every stream branch (cross-stream waits, recorded releases):
+    no memory retained and no reference kept on the streams (a missing decref of a key, a call's result or a
+    stream shows here; positive control: scripts/mutations.toml's native-* entries)."""
+    import tracemalloc
+
+    ring, ops, _ = _fake_cuda_ring("r")
+    ops.record = lambda event, stream: object()  # a fresh result per call: leaking it would show
+    ops.wait = lambda event, stream: object()
+    ring._elide = False  # every release records, so every producer on the other stream waits
+    streams = [ops._by_ptr[1], ops._by_ptr[2]]
+
+    def cycle(i: int) -> None:
+        ops.current = 1 + i % 2
+        t = HOT.acquire(ring, (5, 4))
+        assert t is not None and HOT.release(ring, t) is True
+
+    for i in range(200):
+        cycle(i)
+    assert ring.stats.gpu_waits > 100  # the wait branch ran
+    refs = [sys.getrefcount(x) for x in streams]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(5000):
+        cycle(i)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 20_000 and [sys.getrefcount(x) for x in streams] == refs
 
 
 def test_held_release_is_helds() -> None:
@@ -237,8 +306,14 @@ def test_held_release_is_helds() -> None:
     ring = pool.get("x")
     a, b = (Held(pool, "x", ring.acquire((8, 4)), ring) for _ in range(2))
     ring._slots[1].saved_refs = 1
+    python_calls = []
+    reference = ring.release_when_unsaved
+    ring.release_when_unsaved = lambda t, s=None: (python_calls.append(t), reference(t, s))[1]
     HOT.held_release(a)
+    assert python_calls == []  # released in C
     HOT.held_release(b)
+    assert len(python_calls) == 1 and python_calls[0] is b.tensor  # deferred: Python's, under the ring's lock
+    del ring.release_when_unsaved
     assert (a.released, a.deferred, b.released, b.deferred) == (True, False, True, True)
     assert ring.stats.deferred_releases == 1 and ring.held == 1
     HOT.held_release(a)  # once
@@ -283,10 +358,12 @@ def test_pack_matches_the_python_pack() -> None:
             p(stale)
 
 
-pytest.importorskip("megatron.core")
+def _megatron() -> None:
+    pytest.importorskip("megatron.core")  # the layer tests only: the rest of this file needs torch alone
 
 
 def _layer_run(native: bool, seeds: range):
+    _megatron()
     from megatron_cpu import cpu_moe_layer, install_exercising_rings
     from test_hot_path import TOKENS, _knobs, _step
 
@@ -298,6 +375,7 @@ def _layer_run(native: bool, seeds: range):
         assert (pool.hotpath is not None) is native
         stage = layer.token_dispatcher.combine_postprocess
         assert (type(stage) is HOT.AfterStage) is native  # the C stage is the one installed, or the Python one
+        assert copy.deepcopy(stage) is stage and copy.copy(stage) is stage  # as a function: a copied model shares it
         for seed in seeds:
             out.append(_step(layer, seed))
         regions = pool.track_saved().regions
@@ -320,6 +398,7 @@ def test_a_hooked_layer_gives_the_same_results_with_either_path(parallel) -> Non
 def test_the_c_path_leaks_no_reference(parallel) -> None:
     """Reference counts of what the C code touches are the same before and after many layer calls, and no
     object accumulates (a missing decref in the C code shows here: scripts/mutations.toml's native-* entries)."""
+    _megatron()
     from megatron_cpu import cpu_moe_layer, install_exercising_rings
     from test_hot_path import TOKENS, _knobs, _step
 

@@ -42,8 +42,16 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "bufreuse"
 
 
-def _target(source: bytes) -> Path:
-    digest = hashlib.sha256(source + sys.version.encode()).hexdigest()[:16]
+def _flags() -> list[str]:
+    flags = ["-O2", "-fPIC", "-shared"]
+    if sys.platform == "darwin":  # the interpreter resolves the C API's symbols at load time
+        flags += ["-undefined", "dynamic_lookup"]
+    return flags
+
+
+def _target(source: bytes, cc: list[str]) -> Path:
+    key = b"\0".join([source, sys.version.encode(), " ".join([*cc, *_flags()]).encode()])
+    digest = hashlib.sha256(key).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return _cache_dir() / f"_hotpath-{digest}{suffix}"
 
@@ -51,45 +59,50 @@ def _target(source: bytes) -> Path:
 def build(target: Path | None = None) -> Path:
     """Compile ``hotpath.c`` for this interpreter into ``target`` (default: the cache); its path.
 
+    The cache name covers the source, the interpreter and the compiler command, so a build is reused only for the
+    same three. Each compiler candidate is tried in turn (:func:`_compilers`) until one builds.
+
     Raises:
-        RuntimeError: no compiler, no Python headers, or the compile failed (its output in the message).
+        RuntimeError: no compiler builds it, or no Python headers (the last compiler's output in the message).
     """
-    source = SOURCE.read_bytes()
-    target = _target(source) if target is None else target
-    if target.exists():
-        return target
+    source = SOURCE.read_bytes()  # compiled from this copy: the cache name and the build are of the same text
     include = sysconfig.get_paths()["include"]
     if not Path(include, "Python.h").exists():
         raise RuntimeError(f"no Python.h in {include} (install the Python development headers)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    tried = "no C compiler"
-    try:
-        for cc in _compilers():
-            cmd = [*cc, "-O2", "-fPIC", "-shared", f"-I{include}", str(SOURCE), "-o", tmp]
+    why = "no C compiler"
+    for cc in _compilers():
+        path = _target(source, cc) if target is None else target
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as tmp:
+            src, out = Path(tmp, "hotpath.c"), Path(tmp, path.name)
+            src.write_bytes(source)
+            cmd = [*cc, *_flags(), f"-I{include}", str(src), "-o", str(out)]
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=60)
             except (OSError, subprocess.SubprocessError) as e:
-                tried = f"cannot run the C compiler {cc[0]!r}: {e}"
+                why = f"cannot run the C compiler {cc[0]!r}: {e}"
                 continue
             if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[-2000:]}")
-            os.replace(tmp, target)  # atomic: a concurrent build or import sees all of it or nothing
-            return target
-        raise RuntimeError(tried)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+                why = f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[-2000:]}"
+                continue
+            out.chmod(0o755)  # as pip installs extensions: usable by whoever shares the cache
+            os.replace(out, path)  # atomic: a concurrent build or import sees all of it or nothing
+        return path
+    raise RuntimeError(why)
 
 
 def _compilers() -> list[list[str]]:
     """``$CC`` alone when set; else the compiler Python was built with, then ``cc`` and ``gcc`` (a conda Python
     may name a compiler that is not on the machine)."""
-    if os.environ.get("CC"):
-        return [shlex.split(os.environ["CC"])]
-    out = [shlex.split(c) for c in (sysconfig.get_config_var("CC"), "cc", "gcc") if c]
-    return [c for i, c in enumerate(out) if c not in out[:i]]
+    try:
+        if os.environ.get("CC"):
+            return [shlex.split(os.environ["CC"])]
+        out = [shlex.split(c) for c in (sysconfig.get_config_var("CC"), "cc", "gcc") if c]
+    except ValueError as e:  # unbalanced quotes in $CC or sysconfig's CC
+        raise RuntimeError(f"cannot parse the C compiler command: {e}") from e
+    return [c for i, c in enumerate(out) if c and c not in out[:i]]
 
 
 def _load(path: Path) -> ModuleType:
@@ -112,8 +125,9 @@ def hotpath() -> ModuleType | None:
         try:
             module = _load(build())
             _state["why"] = "on"
-        except (RuntimeError, OSError, ImportError) as e:
-            _state["why"] = f"unavailable: {str(e).splitlines()[0][:300]}"
+        except Exception as e:  # whatever the build or load raised: the Python path runs, and status() says why
+            text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            _state["why"] = f"unavailable: {text}"
             _log.info("bufreuse: the C hot path is %s; the Python one runs", _state["why"])
     _state["module"] = module
     return module

@@ -241,7 +241,7 @@ static int data_ptr(PyObject *x, long long *out) {
   return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* the current stream as DeviceOps.current_stream caches it (borrowed); FALLBACK when not cached yet */
+/* the current stream as DeviceOps.current_stream caches it (a new reference); FALLBACK when not cached yet */
 static int current_stream(Ops *ops, PyObject **out) {
   if (ops->_raw == NULL || ops->_raw == Py_None || ops->_index == NULL || ops->_by_ptr == NULL ||
       !PyDict_CheckExact(ops->_by_ptr))
@@ -251,7 +251,7 @@ static int current_stream(Ops *ops, PyObject **out) {
   PyObject *stream = PyDict_GetItemWithError(ops->_by_ptr, ptr);
   Py_DECREF(ptr);
   if (stream == NULL) return PyErr_Occurred() ? -1 : FALLBACK;
-  *out = stream;
+  *out = Py_NewRef(stream);
   return DONE;
 }
 
@@ -284,7 +284,11 @@ static int acquire_impl(PyObject *ring_, PyObject *shape, PyObject **out) {
     }
     Py_ssize_t max_rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(bound, 0));
     rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0));
-    if (PyErr_Occurred()) return -1;
+    if (PyErr_Occurred()) { /* a row count beyond any integer: Python's StaticShapeError */
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+      PyErr_Clear();
+      return FALLBACK;
+    }
     if (rows < 0 || rows > max_rows) return FALLBACK;
     if (rows == max_rows) rows = -1; /* the whole bound: detach(), as the Python code */
   }
@@ -295,16 +299,24 @@ static int acquire_impl(PyObject *ring_, PyObject *shape, PyObject **out) {
     if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
     ops = (Ops *)ring->_ops;
     if ((r = current_stream(ops, &stream)) != DONE) return r;
-    if (ops->capturing == NULL) return FALLBACK;
-    PyObject *c = PyObject_CallNoArgs(ops->capturing);
-    if (c == NULL) return -1;
-    r = PyObject_IsTrue(c);
-    Py_DECREF(c);
-    if (r != 0) return r < 0 ? -1 : FALLBACK; /* a per-layer graph capturing an eager ring: Python raises */
+    r = FALLBACK;
+    PyObject *c = ops->capturing == NULL ? NULL : PyObject_CallNoArgs(ops->capturing);
+    if (c != NULL) {
+      r = PyObject_IsTrue(c);
+      Py_DECREF(c);
+      r = r < 0 ? -1 : (r ? FALLBACK : DONE); /* capturing: a per-layer graph on an eager ring, Python raises */
+    } else if (ops->capturing != NULL) {
+      r = -1;
+    }
     need_wait = slot->wait_on != NULL && slot->wait_on != Py_None && slot->wait_stream != stream;
     /* an elided event to record first, or a watchdog to tell: Python */
-    if (need_wait && (slot->late || (ring->_watchdog != NULL && ring->_watchdog != Py_None) || ops->wait == NULL))
-      return FALLBACK;
+    if (r == DONE && need_wait &&
+        (slot->late || (ring->_watchdog != NULL && ring->_watchdog != Py_None) || ops->wait == NULL))
+      r = FALLBACK;
+    if (r != DONE) {
+      Py_DECREF(stream);
+      return r;
+    }
   }
   /* every check passed: from here on the acquisition happens */
   PyObject *view;
@@ -317,7 +329,10 @@ static int acquire_impl(PyObject *ring_, PyObject *shape, PyObject **out) {
     view = sl ? PyObject_GetItem(slot->base, sl) : NULL;
     Py_XDECREF(sl);
   }
-  if (view == NULL) return -1;
+  if (view == NULL) {
+    Py_XDECREF(stream);
+    return -1;
+  }
   Py_INCREF(slot);
   if (ops != NULL) {
     if (need_wait) {
@@ -348,10 +363,12 @@ static int acquire_impl(PyObject *ring_, PyObject *shape, PyObject **out) {
   }
   if (held > ring->_peak_held) ring->_peak_held = held;
   Py_DECREF(slot);
+  Py_XDECREF(stream);
   *out = view;
   return DONE;
 fail:
   Py_DECREF(slot);
+  Py_XDECREF(stream);
   Py_DECREF(view);
   return -1;
 }
@@ -379,18 +396,19 @@ static int release_impl(PyObject *ring_, PyObject *tensor) {
     return FALLBACK;
   PyObject *key = PyLong_FromVoidPtr(tensor);
   if (key == NULL) return -1;
-  PyObject *slot_ = PyDict_GetItemWithError(ring->_by_id, key); /* borrowed */
+  PyObject *slot_ = PyDict_GetItemWithError(ring->_by_id, key);
   int r = FALLBACK;
   if (slot_ == NULL || !IS(slot_, SlotType)) { /* not a live slot acquisition (a fallback allocation, ...): Python */
     r = PyErr_Occurred() ? -1 : FALLBACK;
-    goto out;
+    Py_DECREF(key);
+    return r;
   }
-  Slot *slot = (Slot *)slot_;
+  Slot *slot = (Slot *)Py_NewRef(slot_); /* held across the calls below, which run Python */
+  PyObject *stream = NULL;
+  Ops *ops = NULL;
   if (slot->saved_refs || slot->holds || slot->marks == NULL || !PyList_CheckExact(slot->marks) ||
       PyList_GET_SIZE(slot->marks) != 0 || slot->eager_event == NULL)
     goto out;
-  PyObject *stream = NULL;
-  Ops *ops = NULL;
   if (ring->_cuda) {
     if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) goto out;
     ops = (Ops *)ring->_ops;
@@ -401,8 +419,6 @@ static int release_impl(PyObject *ring_, PyObject *tensor) {
     }
   }
   /* released now */
-  Py_INCREF(slot);
-  Py_XINCREF(stream);
   r = PyDict_DelItem(ring->_by_id, key) < 0 ? -1 : DONE;
   if (r == DONE && ops != NULL) {
     if (slot->made_on == stream && ring->_elide) { /* same stream: ordered by it; recorded only if another producer comes */
@@ -428,9 +444,9 @@ static int release_impl(PyObject *ring_, PyObject *tensor) {
     ring->_held -= 1;
     ring->_releases += 1;
   }
+out:
   Py_DECREF(slot);
   Py_XDECREF(stream);
-out:
   Py_DECREF(key);
   return r;
 }
@@ -500,6 +516,7 @@ static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf
     return NULL;
   }
   PyObject *tensor = args[0];
+  if (self->spans == NULL) return Py_NewRef(tensor); /* cleared by the collector */
   PyObject *v = TENSOR_CALL(tensor, T_DATA_PTR, s_data_ptr);
   if (v == NULL) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_RuntimeError) ||
@@ -509,18 +526,27 @@ static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf
     }
     return NULL;
   }
-  unsigned long long ptr = PyLong_AsUnsignedLongLong(v);
+  int overflow = 0;
+  long long ptr = PyLong_AsLongLongAndOverflow(v, &overflow);
   Py_DECREF(v);
-  if (PyErr_Occurred()) return NULL;
+  if (ptr == -1 && PyErr_Occurred()) return NULL;
+  if (overflow) return Py_NewRef(tensor); /* no ring storage there */
   Py_ssize_t n = PyList_GET_SIZE(self->spans);
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *span = PyList_GET_ITEM(self->spans, i);
-    unsigned long long first = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(span, 0));
-    unsigned long long end = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(span, 1));
-    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(span) || PyTuple_GET_SIZE(span) != 4) {
+      PyErr_SetString(PyExc_TypeError, "Pack: a span is not (first, end, ring, storage)");
+      return NULL;
+    }
+    long long first = PyLong_AsLongLong(PyTuple_GET_ITEM(span, 0));
+    long long end = PyLong_AsLongLong(PyTuple_GET_ITEM(span, 1));
+    if ((first == -1 || end == -1) && PyErr_Occurred()) return NULL;
     if (first <= ptr && ptr < end) {
-      PyObject *ring = PyTuple_GET_ITEM(span, 2);
-      return PyObject_CallMethodObjArgs(ring, s__track, tensor, PyTuple_GET_ITEM(span, 3), self->strict, NULL);
+      PyObject *ring = Py_NewRef(PyTuple_GET_ITEM(span, 2)), *storage = Py_NewRef(PyTuple_GET_ITEM(span, 3));
+      PyObject *out = PyObject_CallMethodObjArgs(ring, s__track, tensor, storage, self->strict, NULL);
+      Py_DECREF(ring);
+      Py_DECREF(storage);
+      return out;
     }
   }
   return Py_NewRef(tensor);
@@ -531,8 +557,13 @@ static PyObject *pack_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &spans, &strict)) return NULL;
   Pack *self = (Pack *)type->tp_alloc(type, 0);
   if (self == NULL) return NULL;
+  int is_strict = PyObject_IsTrue(strict);
+  if (is_strict < 0) {
+    Py_DECREF(self);
+    return NULL;
+  }
   self->spans = Py_NewRef(spans);
-  self->strict = Py_NewRef(PyObject_IsTrue(strict) ? Py_True : Py_False);
+  self->strict = Py_NewRef(is_strict ? Py_True : Py_False);
   self->vectorcall = pack_call;
   return (PyObject *)self;
 }
@@ -588,9 +619,13 @@ static PyObject *tracked_call(Tracker *tracker, PyObject *fn, PyObject *const *a
   tracker->_depth -= 1;
   PyObject *q = PyObject_CallNoArgs(pop);
   Py_DECREF(pop);
-  if (q == NULL) { /* the finally block raised: as in Python, its exception wins */
+  if (q == NULL) { /* the finally block raised: as in Python, its exception wins, the stage's as its context */
     Py_XDECREF(out);
-    Py_XDECREF(exc);
+    if (exc != NULL) {
+      PyObject *again = PyErr_GetRaisedException();
+      PyException_SetContext(again, exc);
+      PyErr_SetRaisedException(again);
+    }
     return NULL;
   }
   Py_DECREF(q);
@@ -616,6 +651,10 @@ static int in_span(PyObject *held, long long ptr) {
 
 static PyObject *after_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
   AfterStage *self = (AfterStage *)self_;
+  if (self->stage == NULL || self->queue == NULL || self->tracker == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "AfterStage: cleared");
+    return NULL;
+  }
   Py_ssize_t queued = PyObject_Size(self->queue);
   if (queued < 0) return NULL;
   if (queued == 0) return PyObject_Vectorcall(self->stage, args, nargsf, kwnames);
@@ -691,6 +730,16 @@ static void after_dealloc(AfterStage *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* copy.copy / copy.deepcopy of a hook give the hook itself, as for the Python functions they stand in for (a model
+ * deep-copied while hooked shares its hooks) */
+static PyObject *same_copy(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+static PyMethodDef hook_methods[] = {
+    {"__copy__", same_copy, METH_NOARGS, NULL},
+    {"__deepcopy__", same_copy, METH_O, NULL},
+    {NULL},
+};
+
 static PyGetSetDef with_dict_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
@@ -703,6 +752,7 @@ static PyTypeObject AfterStageType = {
     .tp_vectorcall_offset = offsetof(AfterStage, vectorcall),
     .tp_dictoffset = offsetof(AfterStage, dict),
     .tp_getset = with_dict_getset,
+    .tp_methods = hook_methods,
     .tp_call = PyVectorcall_Call,
     .tp_new = after_new,
     .tp_traverse = (traverseproc)after_traverse,
@@ -736,10 +786,9 @@ static PyObject *new_held(PyObject *held_type, Route *route, PyObject *entry, Py
 /* the slot goes back (Python's release) and the pending exception (or `ignored()`'s) is raised */
 static PyObject *give_back(PyObject *entry, PyObject *slot, PyObject *ignored) {
   PyObject *exc = PyErr_GetRaisedException();
-  if (exc == NULL) { /* TE returned other storage: the contract error, made by Python */
+  if (exc == NULL) { /* TE returned other storage: the contract error, made by Python (or what making it raised) */
     PyObject *e = PyObject_CallNoArgs(ignored);
-    if (e == NULL) return NULL;
-    exc = e;
+    exc = e != NULL ? e : PyErr_GetRaisedException();
   }
   PyObject *r = PyObject_CallMethodOneArg(entry, s_release, slot);
   if (r == NULL) { /* as `except BaseException: release(); raise`: the release's error wins, chained */
@@ -755,6 +804,10 @@ static PyObject *give_back(PyObject *entry, PyObject *slot, PyObject *ignored) {
 
 static PyObject *into_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
   IntoRing *self = (IntoRing *)self_;
+  if (self->fallback == NULL || self->route_attr == NULL || self->held_type == NULL || self->ignored == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "IntoRing: cleared");
+    return NULL;
+  }
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
   if (nargs < 3) return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
   for (Py_ssize_t i = 0; i < nkw; i++) { /* out= given: Python refuses it */
@@ -816,9 +869,14 @@ slow:
     goto done;
   }
   long long lo, ylo;
-  if (data_ptr(slot, &lo) < 0) {
-    give_back(entry, slot, self->ignored);
-    goto done;
+  {
+    PyObject *v = TENSOR_CALL(slot, T_DATA_PTR, s_data_ptr);
+    lo = v != NULL ? PyLong_AsLongLong(v) : -1;
+    Py_XDECREF(v);
+    if (lo == -1 && PyErr_Occurred()) { /* as Python: the error itself, the slot given back */
+      give_back(entry, slot, self->ignored);
+      goto done;
+    }
   }
   /* te_forward(module, inp, m_splits, *rest, out=slot, **kwargs) */
   args2 = PyMem_Malloc(sizeof(PyObject *) * (nargs + nkw + 1));
@@ -924,6 +982,7 @@ static PyTypeObject IntoRingType = {
     .tp_vectorcall_offset = offsetof(IntoRing, vectorcall),
     .tp_dictoffset = offsetof(IntoRing, dict),
     .tp_getset = with_dict_getset,
+    .tp_methods = hook_methods,
     .tp_call = PyVectorcall_Call,
     .tp_descr_get = into_get,
     .tp_new = into_new,

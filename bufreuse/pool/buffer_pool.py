@@ -144,6 +144,7 @@ class BufferPool:
                 max_bytes=max_bytes if num_slots == "auto" else None,
                 registry=self._rings_by_storage,
             )
+            entry._hot = self.hotpath  # its public acquire / release_when_unsaved take the C path too
         else:
             entry = AllocatingBuffer(name, pol.value, spec[2], dtype, self.device, debug=self.debug)
         entry._phase = self._phase  # registered between capture and after_replay: joins the pool's phase

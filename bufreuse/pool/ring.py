@@ -179,6 +179,9 @@ class BufferRing(*_RING_BASES):
         self._late_records = 0
         self._marks_elided = 0  # reader marks of deferred slots not recorded (written under the lock)
         self._marks_late = 0  # ... recorded late after all: the final release came on another stream
+        self._hot: Any = None
+        """The C hot path ``acquire`` and ``release_when_unsaved`` try first (``BufferPool`` sets it in production mode:
+        callers outside the C hooks, such as the dispatch path's, then skip the Python body in the common case)."""
         self._poison_value = poison_value(dtype)
         self.poisoned = 0
         """Slot fills done by debug-mode poisoning (0 in production mode: it does no extra work)."""
@@ -207,6 +210,11 @@ class BufferRing(*_RING_BASES):
                 eager ring acquired under a capture it was not prepared for (a per-layer graph; checked in
                 production mode too, one C call per acquisition).
         """
+        hot = self._hot
+        if hot is not None and stream is None and dtype is None:
+            view = hot.acquire(self, shape)  # None: not the common case, which the code below handles
+            if view is not None:
+                return view
         if self._phase is Phase.GRAPHED:
             raise CaptureStateError(
                 f"ring '{self.name}': acquire after a CUDA-graph capture; call after_replay(stream) once the "
@@ -271,6 +279,9 @@ class BufferRing(*_RING_BASES):
             SavedForBackwardError: autograd still holds a tracked saved reference to the slot, or a
                 :class:`Hold` is active (use ``release_when_unsaved``).
         """
+        hot = self._hot
+        if hot is not None and stream is None and hot.release(self, tensor):
+            return  # nothing saved or held: release and release_when_unsaved are the same here
         slot = self._by_id.pop(id(tensor), None)
         if slot is None:
             self._release_other(tensor, stream)
@@ -310,6 +321,9 @@ class BufferRing(*_RING_BASES):
         Raises:
             DoubleReleaseError, ForeignTensorError, StaleAliasError: wrong tensor (before any GPU work).
         """
+        hot = self._hot
+        if hot is not None and stream is None and hot.release(self, tensor):
+            return True  # released now by the C path (None: anything else, handled below)
         slot = self._by_id.pop(id(tensor), None)
         if slot is None:
             self._release_other(tensor, stream)

@@ -100,8 +100,8 @@ def require_fused_output_buffer(experts: Any, experts_module: Any) -> None:
 ROUTE = "_bufreuse_fc2_route"
 """Instance attribute of a hooked FC2 module: its :class:`Fc2Route` (what the routing class's forward reads)."""
 
-_ROUTING: dict[type, type] = {}
-"""FC2 module class -> its routing subclass (made once per class)."""
+_ROUTING: dict[tuple[type, Any], type] = {}
+"""(FC2 module class, shim forward) -> its routing subclass (made once per class and forward: Python's or C's)."""
 
 
 def out_route_class(cls: type) -> type | None:
@@ -190,10 +190,16 @@ def native_routing_forward(pool: Any) -> Any:
     hot = getattr(pool, "hotpath", None)
     if hot is None:
         return None
-    forward = hot.IntoRing(ROUTE, _routing_forward, Held, _ignored_out)
-    forward.__name__, forward.__qualname__ = "forward", "_routing_forward[C]"
-    forward.__module__, forward.__doc__ = __name__, _routing_forward.__doc__
+    forward = _NATIVE_FORWARD.get(id(hot))
+    if forward is None:  # one per extension: nothing in it is a pool's, so every FC2 class shares its routing class
+        forward = hot.IntoRing(ROUTE, _routing_forward, Held, _ignored_out)
+        forward.__name__, forward.__qualname__ = "forward", "_routing_forward[C]"
+        forward.__module__, forward.__doc__ = __name__, _routing_forward.__doc__
+        _NATIVE_FORWARD[id(hot)] = forward
     return forward
+
+
+_NATIVE_FORWARD: dict[int, Any] = {}
 
 
 def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> type:
@@ -205,8 +211,8 @@ def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> 
     calls TE's with ``out=``. Only instances switched to it (:func:`route_into_ring`) take the route: FC1,
     other layers and uninstalled modules run their own class untouched.
     """
-    default = forward is _routing_forward
-    routed = _ROUTING.get(cls) if default else None
+    default = forward is _routing_forward or forward in _NATIVE_FORWARD.values()  # shared forwards: shared classes
+    routed = _ROUTING.get((cls, forward)) if default else None
     if routed is None:
         te_cls = out_route_class(cls)
         if te_cls is None:
@@ -216,7 +222,7 @@ def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> 
         bases = (shim,) if cls is te_cls else (cls, shim)
         routed = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         if default:
-            _ROUTING[cls] = routed
+            _ROUTING[(cls, forward)] = routed
     return routed
 
 
