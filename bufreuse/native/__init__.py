@@ -4,11 +4,12 @@ Standard library only (no torch): :mod:`bufreuse.pool` and :mod:`bufreuse.integr
 classes from its struct types and call its functions; nothing here knows either.
 
 The extension uses only the Python C API (no torch headers), so it compiles in about a second with the C
-compiler Python was built with, against whatever torch is installed. It is built on first use into a
-cache folder (``BUFREUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/bufreuse``, else ``~/.cache/bufreuse``), named
-by the source's hash and the interpreter's ABI, written atomically, and loaded from there afterwards. No
-compiler, a failed build or ``BUFREUSE_NATIVE=0``: the Python hot path runs, which does the same steps (the
-C code falls back to it for everything but the common case), and :func:`status` says why.
+compiler Python was built with (else ``cc``, ``gcc``; ``$CC`` overrides), against whatever torch is installed.
+It is built on first use into a cache folder (``BUFREUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/bufreuse``, else
+``~/.cache/bufreuse``), named by a hash of the source, the interpreter and the compiler command, written
+atomically, and loaded from there afterwards. No compiler, a failed build or load, or ``BUFREUSE_NATIVE=0``: the
+Python hot path runs, which does the same steps (the C code falls back to it for everything but the common
+case), and :func:`status` says why.
 """
 
 from __future__ import annotations
