@@ -466,3 +466,45 @@ def test_the_te_module_route_is_the_same_in_c(native: bool) -> None:
     assert [sys.getrefcount(o) for o in watched] == before and len(gc.get_objects()) - objects < 40
     assert ring.stats.acquisitions == 204 and ring.held == 0
     inst.uninstall()
+
+
+def test_cycles_through_the_c_hooks_and_structs_are_collected() -> None:
+    """The hook objects and the struct-backed classes take part in garbage collection: a cycle through their fields
+    or their ``__dict__`` (``functools.wraps`` fills it) is freed, as it is for the Python functions they replace."""
+    import weakref
+
+    class Box:
+        pass
+
+    pool = BufferPool("cpu")
+
+    def via_dict(hook, box):  # through the hook's __dict__
+        hook.box = box
+
+    def via_field(held, box):  # through a struct field
+        held.entry = box
+
+    def pack_with_spans():  # through the list a Pack field holds (only the Pack keeps it)
+        spans: list = []
+        pack = HOT.Pack(spans, False)
+        pack_spans[id(pack)] = spans
+        return pack
+
+    def via_spans(pack, box):
+        pack_spans.pop(id(pack)).append((0, 0, box, 0))
+
+    pack_spans: dict = {}
+    cases = [
+        (lambda: HOT.AfterStage(lambda x: x, deque(), pool.track_saved()), via_dict),
+        (lambda: HOT.IntoRing("_route", lambda *a: None, Held, lambda: None), via_dict),
+        (pack_with_spans, via_spans),
+        (lambda: Held(pool, "x", torch.empty(1), object(), (0, 1)), via_field),
+    ]
+    for make, attach in cases:
+        box, hook = Box(), make()
+        box.hook = hook
+        attach(hook, box)
+        alive = weakref.ref(box)
+        del box, hook
+        gc.collect()
+        assert alive() is None, make

@@ -63,7 +63,7 @@ static PyObject *T_DATA_PTR = NULL, *T_DETACH = NULL, *T_DTYPE = NULL, *D_POPLEF
 static PyObject *EMPTY = NULL;     /* () */
 
 #define NAMES(X) X(data_ptr) X(detach) X(_track) X(release_when_unsaved) X(release) X(out) X(popleft) X(append) \
-  X(__dict__) X(shape) X(dtype)
+  X(shape) X(dtype)
 
 #define DECLARE(n) static PyObject *s_##n;
 NAMES(DECLARE)
@@ -500,6 +500,30 @@ static PyObject *py_held_release(PyObject *mod, PyObject *held) {
   Py_RETURN_NONE;
 }
 
+/* ---- the hook objects' fields -------------------------------------------------------------------------
+ * Pack, AfterStage and IntoRing lay out their object fields (their __dict__ included) right after the header and
+ * end with their vectorcall pointer: one traverse / clear / dealloc walks those fields for all three. */
+
+#define HOOK_FIELDS(o) ((PyObject **)((char *)(o) + sizeof(PyObject)))
+#define HOOK_NFIELDS(o) \
+  ((Py_ssize_t)((Py_TYPE(o)->tp_basicsize - sizeof(PyObject) - sizeof(vectorcallfunc)) / sizeof(PyObject *)))
+
+static int hook_traverse(PyObject *self, visitproc visit, void *arg) {
+  for (Py_ssize_t i = 0; i < HOOK_NFIELDS(self); i++) Py_VISIT(HOOK_FIELDS(self)[i]);
+  return 0;
+}
+
+static int hook_clear(PyObject *self) {
+  for (Py_ssize_t i = 0; i < HOOK_NFIELDS(self); i++) Py_CLEAR(HOOK_FIELDS(self)[i]);
+  return 0;
+}
+
+static void hook_dealloc(PyObject *self) {
+  PyObject_GC_UnTrack(self);
+  hook_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
 /* ---- Pack: the saved-tensor pack hook ---------------------------------------------------------------- */
 
 typedef struct {
@@ -508,6 +532,7 @@ typedef struct {
   PyObject *strict; /* bool */
   vectorcallfunc vectorcall;
 } Pack;
+_Static_assert(offsetof(Pack, vectorcall) + sizeof(vectorcallfunc) == sizeof(Pack), "hook_traverse: fields, then vectorcall last");
 
 static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
   Pack *self = (Pack *)self_;
@@ -568,23 +593,6 @@ static PyObject *pack_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   return (PyObject *)self;
 }
 
-static int pack_traverse(Pack *self, visitproc visit, void *arg) {
-  Py_VISIT(self->spans);
-  return 0;
-}
-
-static int pack_clear(Pack *self) {
-  Py_CLEAR(self->spans);
-  Py_CLEAR(self->strict);
-  return 0;
-}
-
-static void pack_dealloc(Pack *self) {
-  PyObject_GC_UnTrack(self);
-  pack_clear(self);
-  Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 /* the spans tuples are (int, int, ring, int): checked where they are made (StorageIndex.add), and here */
 static PyTypeObject PackType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.Pack",
@@ -593,9 +601,9 @@ static PyTypeObject PackType = {
     .tp_vectorcall_offset = offsetof(Pack, vectorcall),
     .tp_call = PyVectorcall_Call,
     .tp_new = pack_new,
-    .tp_traverse = (traverseproc)pack_traverse,
-    .tp_clear = (inquiry)pack_clear,
-    .tp_dealloc = (destructor)pack_dealloc,
+    .tp_traverse = hook_traverse,
+    .tp_clear = hook_clear,
+    .tp_dealloc = hook_dealloc,
     .tp_doc = "Pack(spans, strict): the saved-tensor pack hook over a StorageIndex's spans",
 };
 
@@ -640,6 +648,7 @@ typedef struct {
   PyObject *stage, *queue, *tracker, *dict;
   vectorcallfunc vectorcall;
 } AfterStage;
+_Static_assert(offsetof(AfterStage, vectorcall) + sizeof(vectorcallfunc) == sizeof(AfterStage), "hook_traverse: fields, then vectorcall last");
 
 static int in_span(PyObject *held, long long ptr) {
   if (!IS(held, HeldType)) {
@@ -708,28 +717,6 @@ static PyObject *after_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   return (PyObject *)self;
 }
 
-static int after_traverse(AfterStage *self, visitproc visit, void *arg) {
-  Py_VISIT(self->stage);
-  Py_VISIT(self->queue);
-  Py_VISIT(self->tracker);
-  Py_VISIT(self->dict);
-  return 0;
-}
-
-static int after_clear(AfterStage *self) {
-  Py_CLEAR(self->stage);
-  Py_CLEAR(self->queue);
-  Py_CLEAR(self->tracker);
-  Py_CLEAR(self->dict);
-  return 0;
-}
-
-static void after_dealloc(AfterStage *self) {
-  PyObject_GC_UnTrack(self);
-  after_clear(self);
-  Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 /* copy.copy / copy.deepcopy of a hook give the hook itself, as for the Python functions they stand in for (a model
  * deep-copied while hooked shares its hooks) */
 static PyObject *same_copy(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
@@ -755,9 +742,9 @@ static PyTypeObject AfterStageType = {
     .tp_methods = hook_methods,
     .tp_call = PyVectorcall_Call,
     .tp_new = after_new,
-    .tp_traverse = (traverseproc)after_traverse,
-    .tp_clear = (inquiry)after_clear,
-    .tp_dealloc = (destructor)after_dealloc,
+    .tp_traverse = hook_traverse,
+    .tp_clear = hook_clear,
+    .tp_dealloc = hook_dealloc,
     .tp_doc = "AfterStage(stage, queue, tracker): a stage that releases the queue's front after its last reader",
 };
 
@@ -768,6 +755,7 @@ typedef struct {
   PyObject *route_attr, *fallback, *held_type, *ignored, *dict;
   vectorcallfunc vectorcall;
 } IntoRing;
+_Static_assert(offsetof(IntoRing, vectorcall) + sizeof(vectorcallfunc) == sizeof(IntoRing), "hook_traverse: fields, then vectorcall last");
 
 static PyObject *new_held(PyObject *held_type, Route *route, PyObject *entry, PyObject *slot, long long lo,
                           Py_ssize_t rows) {
@@ -952,29 +940,6 @@ static PyObject *into_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   return (PyObject *)self;
 }
 
-static int into_traverse(IntoRing *self, visitproc visit, void *arg) {
-  Py_VISIT(self->fallback);
-  Py_VISIT(self->held_type);
-  Py_VISIT(self->ignored);
-  Py_VISIT(self->dict);
-  return 0;
-}
-
-static int into_clear(IntoRing *self) {
-  Py_CLEAR(self->route_attr);
-  Py_CLEAR(self->fallback);
-  Py_CLEAR(self->held_type);
-  Py_CLEAR(self->ignored);
-  Py_CLEAR(self->dict);
-  return 0;
-}
-
-static void into_dealloc(IntoRing *self) {
-  PyObject_GC_UnTrack(self);
-  into_clear(self);
-  Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyTypeObject IntoRingType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.IntoRing",
     .tp_basicsize = sizeof(IntoRing),
@@ -986,9 +951,9 @@ static PyTypeObject IntoRingType = {
     .tp_call = PyVectorcall_Call,
     .tp_descr_get = into_get,
     .tp_new = into_new,
-    .tp_traverse = (traverseproc)into_traverse,
-    .tp_clear = (inquiry)into_clear,
-    .tp_dealloc = (destructor)into_dealloc,
+    .tp_traverse = hook_traverse,
+    .tp_clear = hook_clear,
+    .tp_dealloc = hook_dealloc,
     .tp_doc = "IntoRing(route_attr, fallback, held_type, ignored): forward(module, inp, ...) with out= a ring slot",
 };
 
