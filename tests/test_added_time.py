@@ -64,6 +64,24 @@ def test_spanned_wraps_what_is_there_and_puts_it_back() -> None:
     assert hooked.run() == "hook" and "run" not in vars(plain) and plain.run() == "class"
 
 
+def test_the_per_call_median_is_the_typical_span_and_a_long_call_does_not_move_it() -> None:
+    timer = SpanTimer()
+    spans = [WAIT_US, WAIT_US, 10 * WAIT_US, WAIT_US]  # one long call, as a page fault or an allocator segment
+    for us in spans:
+        timer.wrap(lambda us=us: spin(us), "stage")()
+    timer.wrap(lambda: spin(WAIT_US), "unpack")()
+    timer.wrap(lambda: spin(WAIT_US), "unpack")()
+    assert [len(timer.samples[n]) for n in ("stage", "unpack")] == [4, 2]
+    med = timer.per_call_median_ns(calls=4)  # four layer calls
+    # the stage: the median of its four spans (~WAIT_US; the mean would be ~3.25 WAIT_US); unpack: 2 calls per 4
+    assert WAIT_US <= med["stage"] / 1e3 < 1.5 * WAIT_US
+    assert 0.5 * WAIT_US <= med["unpack"] / 1e3 < 0.75 * WAIT_US
+    # positive control: the mean of the same spans does see the long call
+    assert timer.by_point["stage"][0] / 4 / 1e3 > 3 * WAIT_US
+    timer.reset()
+    assert timer.samples == {} and timer.per_call_median_ns(calls=4) == {}
+
+
 def test_pairs_alternate_control_first_and_the_interval_is_the_paired_t_interval() -> None:
     assert pair_order(3, "ring") == ["control", "ring", "ring", "control", "control", "ring"]
     control = [{"us": c, "by_point": {"p": c}} for c in (100.0, 104.0, 98.0, 101.0)]
@@ -78,6 +96,21 @@ def test_pairs_alternate_control_first_and_the_interval_is_the_paired_t_interval
     points = {row["point"]: row for row in got["points"]}
     assert points["unpack"]["added_us"] == pytest.approx(3.0) and points["unpack"]["control_us"] == 0.0
     assert points["p"]["added_us"] == pytest.approx(mean - 3.0)
+    assert "per_call_median" not in got  # rounds without medians: the means only
+
+    # with per-call medians: the same statistics of the medians, apart from the means
+    for rounds, medians in ((control, (90.0, 91.0, 92.0, 90.0)), (arm, (95.0, 97.0, 96.0, 94.0))):
+        for r, m in zip(rounds, medians, strict=True):
+            r["median_us"], r["by_point_median"] = m, {"p": m}
+    got = summarise_pairs(control, arm)
+    med = got["per_call_median"]
+    mdiffs = [5.0, 6.0, 4.0, 4.0]
+    half = 3.182446 * statistics.stdev(mdiffs) / math.sqrt(4)
+    assert med["pair_added_us"] == mdiffs and med["added_us"] == pytest.approx(4.75)
+    assert med["ci_low_us"] == pytest.approx(4.75 - half, rel=0.02)
+    assert med["ci_high_us"] == pytest.approx(4.75 + half, rel=0.02)
+    assert med["median_us"] == pytest.approx(4.5) and med["control_us"] == pytest.approx(90.75)
+    assert got["added_us"] == pytest.approx(mean)  # the means' figure unchanged beside it
 
 
 pytest.importorskip("megatron.core")
@@ -128,3 +161,8 @@ def test_added_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatch) ->
     )
     assert abs(slow_megatron["added_us"] - ring["added_us"]) < 0.5 * LAYER_WAIT_US
     assert slow_hook["added_us"] - ring["added_us"] > 0.8 * LAYER_WAIT_US
+    # the per-call medians move alike: every call waits, so the typical call does too
+    med, slow_med, slow_meg_med = (r["per_call_median"] for r in (ring, slow_hook, slow_megatron))
+    assert {r["point"] for r in med["points"]} == set(points) and med["pairs"] == 4 and med["ci_low_us"] is not None
+    assert abs(slow_meg_med["added_us"] - med["added_us"]) < 0.5 * LAYER_WAIT_US
+    assert slow_med["added_us"] - med["added_us"] > 0.8 * LAYER_WAIT_US

@@ -78,6 +78,8 @@ def test_te_hooks_enter_the_fc2_shim_once_per_layer_call_and_nothing_else_per_ge
     for name in added["entry_points"]:
         assert points[name]["control_us"] > 0 and points[name]["arm_us"] > 0, points
     assert added["pairs"] == 3 and added["ci_low_us"] is not None
+    median = {row["point"]: row for row in added["per_call_median"]["points"]}  # the per-call medians, same points
+    assert set(median) == set(points) and all(median[n]["control_us"] > 0 for n in added["entry_points"]), median
 
 
 SHIM = ("integrations.te.out_route._routing_forward", "native._hotpath.IntoRing")

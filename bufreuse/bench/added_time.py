@@ -14,8 +14,12 @@ the saved-reference holder's ``__del__`` (the deferred release) in backward, and
 backward (the local spec's, whose control counterpart, a ``CatBackward``, is then not subtracted).
 
 Per pair of rounds the figure is the arm's µs per layer call less its neighbouring control round's; the
-mean over pairs has a 95% t interval. Class-level patches shared by installations (the release-path
-patches of combined 1F1B, not called by a single layer) are not points.
+mean over pairs has a 95% t interval. Two figures per round: the mean span per layer call (what throughput
+pays, every long call included) and the per-call median (each point's median span times its calls per layer
+call): the megatron / TE work inside a point varies by tens of µs from call to call, and a few long calls (an
+allocator segment, a page fault, the OS) move a round's mean by more than the hooks cost; the median is the
+typical call, which resolves the hooks' own microseconds where the mean cannot. Class-level patches shared by
+installations (the release-path patches of combined 1F1B, not called by a single layer) are not points.
 """
 
 from __future__ import annotations
@@ -31,18 +35,27 @@ __all__ = ["SpanTimer", "outside_points", "pair_order", "spanned", "summarise_pa
 
 
 class SpanTimer:
-    """Host ns inside wrapped points, outermost span per thread only, by point name; thread-safe totals."""
+    """Host ns inside wrapped points, outermost span per thread only, by point name; thread-safe totals and
+    the per-call spans."""
 
     def __init__(self) -> None:
         self._t = threading.local()
         self._lock = threading.Lock()
         self.by_point: dict[str, list[int]] = {}
         """Point name -> [ns, calls]."""
+        self.samples: dict[str, list[int]] = {}
+        """Point name -> each call's ns, in call order."""
 
     def reset(self) -> None:
         """Forget what was timed (call it with no span open)."""
         with self._lock:
             self.by_point = {}
+            self.samples = {}
+
+    def per_call_median_ns(self, calls: int) -> dict[str, float]:
+        """Point name -> its median span times its calls per ``calls`` layer calls (ns per layer call)."""
+        with self._lock:
+            return {n: statistics.median(v) * len(v) / calls for n, v in self.samples.items() if v}
 
     @property
     def ns(self) -> int:
@@ -54,8 +67,10 @@ class SpanTimer:
             row = self.by_point.get(name)
             if row is None:
                 row = self.by_point[name] = [0, 0]
+                self.samples[name] = []
             row[0] += ns
             row[1] += 1
+            self.samples[name].append(ns)
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         """``fn`` timed as point ``name`` unless a span is already open on this thread."""
@@ -125,19 +140,30 @@ def pair_order(pairs: int, arm: str) -> list[str]:
 
 
 def summarise_pairs(control: list[dict[str, Any]], arm: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pairs of rounds (``us`` per layer call, ``by_point``) -> the mean added µs, its 95% t interval, per point.
+    """Pairs of rounds (``us`` per layer call, ``by_point``; ``median_us`` / ``by_point_median`` where timed) ->
+    the mean added µs, its 95% t interval, per point; the same of the per-call medians under ``per_call_median``.
 
     ``control[k]`` and ``arm[k]`` are the k-th pair. The interval is the one-sample t interval of the paired
     differences (``mean_diff_interval`` against a constant side).
     """
+    out = _paired(control, arm, "us", "by_point")
+    if all("median_us" in r for r in control + arm):
+        median = _paired(control, arm, "median_us", "by_point_median")
+        median["median_us"] = median.pop("median_of_pairs_us")
+        out["per_call_median"] = median
+    out["median_us"] = out.pop("median_of_pairs_us")
+    return out
+
+
+def _paired(control: list[dict[str, Any]], arm: list[dict[str, Any]], key: str, points_key: str) -> dict[str, Any]:
     from bufreuse.analysis.runs.stats import mean_diff_interval
 
-    diffs = [a["us"] - c["us"] for c, a in zip(control, arm, strict=True)]
+    diffs = [a[key] - c[key] for c, a in zip(control, arm, strict=True)]
     ci = mean_diff_interval([0.0] * len(diffs), diffs)
-    names = sorted({n for r in control + arm for n in r["by_point"]})
+    names = sorted({n for r in control + arm for n in r[points_key]})
 
     def mean_of(rounds: list[dict[str, Any]], name: str) -> float:
-        return statistics.fmean(r["by_point"].get(name, 0.0) for r in rounds)
+        return statistics.fmean(r[points_key].get(name, 0.0) for r in rounds)
 
     points = [
         {
@@ -152,10 +178,10 @@ def summarise_pairs(control: list[dict[str, Any]], arm: list[dict[str, Any]]) ->
         "added_us": statistics.fmean(diffs),
         "ci_low_us": ci[0] if ci else None,
         "ci_high_us": ci[1] if ci else None,
-        "median_us": statistics.median(diffs),
+        "median_of_pairs_us": statistics.median(diffs),
         "pairs": len(diffs),
         "pair_added_us": diffs,
-        "control_us": statistics.fmean(c["us"] for c in control),
-        "arm_us": statistics.fmean(a["us"] for a in arm),
+        "control_us": statistics.fmean(c[key] for c in control),
+        "arm_us": statistics.fmean(a[key] for a in arm),
         "points": sorted(points, key=lambda row: -abs(row["added_us"])),
     }

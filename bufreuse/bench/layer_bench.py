@@ -637,7 +637,10 @@ def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict
         "note": "added host µs per layer call: the same span timer at the hooks' entry points (the stages they "
         "override, the FC2 module's forward on the TE route) in the control and in the arm, rounds in pairs "
         "A B B A; per pair the arm's µs less the control's (the timer's cost cancels, the control's own work there, "
-        "such as the FC2 allocation the ring replaces, is subtracted), mean over pairs with a 95% t interval; hook "
+        "such as the FC2 allocation the ring replaces, is subtracted), mean over pairs with a 95% t interval; "
+        "'mean' rows take each round's mean span per layer call (what throughput pays), 'median' rows each "
+        "point's per-call median (the typical call: the long calls of megatron / TE work inside the points, which "
+        "move a round's mean by more than the hooks cost, left out); hook "
         "code outside every point (autograd's unpack and the deferred release in backward, the Functions' "
         "backward) is timed alike and counted in full" + (local if cfg.spec == "local" else ""),
     }
@@ -663,8 +666,14 @@ def _added_time_round(
             p.schedule()
         _sync(p.cuda)
         by_point = {name: ns for name, (ns, _calls) in timer.by_point.items()}
-    calls = cfg.steps * cfg.microbatches
-    return {"us": sum(by_point.values()) / calls / 1e3, "by_point": {n: ns / calls / 1e3 for n, ns in by_point.items()}}
+        calls = cfg.steps * cfg.microbatches
+        medians = timer.per_call_median_ns(calls)
+    return {
+        "us": sum(by_point.values()) / calls / 1e3,
+        "by_point": {n: ns / calls / 1e3 for n, ns in by_point.items()},
+        "median_us": sum(medians.values()) / 1e3,
+        "by_point_median": {n: ns / 1e3 for n, ns in medians.items()},
+    }
 
 
 def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: bool = False) -> dict[str, Any]:

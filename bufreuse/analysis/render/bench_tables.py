@@ -197,7 +197,7 @@ def _added_verdict(a: dict[str, Any], target: float) -> str:
 
 def _added_time_table(added: dict[str, Any]) -> Table:
     """Per hooked arm: host µs added per layer call over the control at the hooks' entry points, with its
-    interval, and each point's share."""
+    interval, from the rounds' means and from their per-call medians, and each point's share."""
     target = added.get("target_us", 10.0)
     table = Table(
         title=f"Host time added per layer call over the control ({added['pairs']} pairs of rounds, A B B A, "
@@ -206,17 +206,24 @@ def _added_time_table(added: dict[str, Any]) -> Table:
     )
     for col in ("arm", "added µs", "95% CI", "verdict", "control µs at the points", "arm µs at the points"):
         table.add_column(col, justify="left" if col in ("arm", "verdict") else "right")
+
+    def row(label: str, a: dict[str, Any]) -> None:
+        ci = f"[{a['ci_low_us']:+.1f}, {a['ci_high_us']:+.1f}]" if a.get("ci_low_us") is not None else "—"
+        table.add_row(label, f"{a['added_us']:+.1f}", ci, _added_verdict(a, target), f"{a['control_us']:.1f}",
+                      f"{a['arm_us']:.1f}")  # fmt: skip
+
     for arm, a in added["arms"].items():
         if not a.get("points"):
             table.add_row(arm, "—", "—", a.get("note", ""), "—", "—")
             continue
-        ci = f"[{a['ci_low_us']:+.1f}, {a['ci_high_us']:+.1f}]" if a.get("ci_low_us") is not None else "—"
-        table.add_row(arm, f"{a['added_us']:+.1f}", ci, _added_verdict(a, target), f"{a['control_us']:.1f}",
-                      f"{a['arm_us']:.1f}")  # fmt: skip
+        row(f"{arm}, mean", a)
+        if a.get("per_call_median"):
+            row(f"{arm}, median", a["per_call_median"])
     for arm, a in added["arms"].items():
-        for row in a.get("points", []):
-            table.add_row(f"  {arm}: {row['point']}", f"{row['added_us']:+.1f}", "", "", f"{row['control_us']:.1f}",
-                          f"{row['arm_us']:.1f}")  # fmt: skip
+        for which, rows in (("mean", a.get("points", [])), ("median", a.get("per_call_median", {}).get("points", []))):
+            for p in rows:
+                table.add_row(f"  {arm}, {which}: {p['point']}", f"{p['added_us']:+.1f}", "", "",
+                              f"{p['control_us']:.1f}", f"{p['arm_us']:.1f}")  # fmt: skip
     return table
 
 
