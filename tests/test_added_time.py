@@ -166,3 +166,62 @@ def test_added_time_moves_with_the_hooks_code_not_with_megatrons(monkeypatch) ->
     assert {r["point"] for r in med["points"]} == set(points) and med["pairs"] == 4 and med["ci_low_us"] is not None
     assert abs(slow_meg_med["added_us"] - med["added_us"]) < 0.5 * LAYER_WAIT_US
     assert slow_med["added_us"] - med["added_us"] > 0.8 * LAYER_WAIT_US
+
+
+def test_a_drained_schedule_waits_for_the_gpu_before_every_layer_call_and_only_then(monkeypatch) -> None:
+    """The added-time rounds drain the GPU before each forward and backward (outside the spans): recorded here
+    with the calls in order, over stand-in tensors that say they are on CUDA."""
+    import torch
+
+    from bufreuse.bench.layer_bench import _schedule, schedule_steps
+
+    events: list[str] = []
+
+    class Out:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def backward(self, grad: object) -> None:
+            events.append(f"B{self.i}")
+
+    class OnCuda:
+        is_cuda = True
+
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def detach(self) -> OnCuda:
+            return self
+
+        def requires_grad_(self, flag: bool) -> OnCuda:
+            return self
+
+    def forward(x: OnCuda) -> Out:
+        events.append(f"F{x.i}")
+        return Out(x.i)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: events.append("sync"))
+    steps = schedule_steps("interleaved", 2)
+    xs, grads = [OnCuda(0), OnCuda(1)], [None, None]
+    _schedule(forward, steps, xs, grads, None, drain=True)
+    calls = [f"{kind}{i}" for kind, i in steps]
+    assert events == [e for c in calls for e in ("sync", c)]
+    events.clear()  # positive control: the timed rounds of the main A/B do not drain
+    _schedule(forward, steps, xs, grads, None)
+    assert events == calls
+
+
+def test_only_the_added_time_rounds_drain(monkeypatch) -> None:
+    from bufreuse.bench import layer_bench
+
+    seen: list[bool] = []
+    real = layer_bench._schedule
+
+    def recording(*args, drain: bool = False, **kwargs):
+        seen.append(drain)
+        return real(*args, drain=drain, **kwargs)
+
+    monkeypatch.setattr(layer_bench, "_schedule", recording)
+    _added("--added-pairs", "3")
+    # FAST: 2 main rounds of each arm x (1 untimed + 2 timed schedules), then 3 pairs x 2 rounds x (1 + 2), drained
+    assert seen == [False] * (2 * 2 * 3) + [True] * (3 * 2 * 3)

@@ -434,9 +434,9 @@ class _Prepared:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def schedule(self, timing: dict[str, list] | None = None) -> None:
+    def schedule(self, timing: dict[str, list] | None = None, *, drain: bool = False) -> None:
         """One schedule of the layer (:func:`_schedule`)."""
-        _schedule(self.forward, self.steps, self.xs, self.grads, timing)
+        _schedule(self.forward, self.steps, self.xs, self.grads, timing, drain=drain)
 
 
 @contextlib.contextmanager
@@ -489,14 +489,22 @@ def _schedule(
     xs: list[torch.Tensor],
     grads: list[torch.Tensor],
     timing: dict[str, list] | None,
+    *,
+    drain: bool = False,
 ) -> None:
-    """Run one schedule; with ``timing``, the host seconds of every forward / backward call and CUDA event pairs."""
+    """Run one schedule; with ``timing``, the host seconds of every forward / backward call and CUDA event pairs.
+
+    ``drain``: the GPU finishes the earlier calls' work before each call, so no host span inside a call waits
+    behind it (a full launch queue, a device-to-host copy queued after it).
+    """
     outs: dict[int, torch.Tensor] = {}
     cuda = xs[0].is_cuda
     clock = time.perf_counter
     for kind, i in steps:
         if kind == "F":
             x = xs[i].detach().requires_grad_(True)
+        if drain and cuda:
+            torch.cuda.synchronize()
         if timing is not None and cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -636,7 +644,8 @@ def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict
         "arms": out,
         "note": "added host µs per layer call: the same span timer at the hooks' entry points (the stages they "
         "override, the FC2 module's forward on the TE route) in the control and in the arm, rounds in pairs "
-        "A B B A; per pair the arm's µs less the control's (the timer's cost cancels, the control's own work there, "
+        "A B B A, the GPU drained before each layer call (outside the spans: no host span waits behind GPU work); "
+        "per pair the arm's µs less the control's (the timer's cost cancels, the control's own work there, "
         "such as the FC2 allocation the ring replaces, is subtracted), mean over pairs with a 95% t interval; "
         "'mean' rows take each round's mean span per layer call (what throughput pays), 'median' rows each "
         "point's per-call median (the typical call: the long calls of megatron / TE work inside the points, which "
@@ -653,17 +662,21 @@ ADDED_TARGET_US = 10.0
 def _added_time_round(
     p: _Prepared, arm: str, points: list[tuple[Any, str]], timer: Any, during: Callable[[], Any]
 ) -> dict[str, Any]:
-    """One round of ``arm`` (or the control) with the span timer at ``points``: µs per layer call, by point."""
+    """One round of ``arm`` (or the control) with the span timer at ``points``: µs per layer call, by point.
+
+    The GPU is drained before every layer call (outside the spans): a host span that waited behind earlier GPU
+    work would measure the GPU, which moves rounds by hundreds of µs where host and GPU time are close.
+    """
     from bufreuse.bench.added_time import spanned
 
     cfg = p.cfg
     with _installed(p.layer, arm, cfg, p.device, during), spanned(points, timer), _collector(cfg):
         p.layer.zero_grad(set_to_none=True)
-        p.schedule()
+        p.schedule(drain=True)
         _sync(p.cuda)
         timer.reset()
         for _ in range(cfg.steps):
-            p.schedule()
+            p.schedule(drain=True)
         _sync(p.cuda)
         by_point = {name: ns for name, (ns, _calls) in timer.by_point.items()}
         calls = cfg.steps * cfg.microbatches
