@@ -5,7 +5,7 @@
 #
 #   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
 #   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8);
-#                                               # ROUNDS (10), HOOK_ROUNDS, ADDED_PAIRS, STEPS, GC=manual,
+#                                               # ROUNDS (10), HOOK_ROUNDS, HOOK_TIME=0, ADDED_PAIRS, STEPS, GC=manual,
 #                                               # POLICIES, PROFILE=0 (no --profile) tune it; a py- NAME
 #                                               # runs BUFREUSE_NATIVE=0 (the Python hot path)
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
@@ -103,6 +103,7 @@ case $stage in
       [ "$preset" = host ] && [ "${PROFILE:-1}" = 1 ] && args+=(--profile)
       [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
       [ -n "${STEPS:-}" ] && args+=(--steps "$STEPS")
+      [ "${HOOK_TIME:-1}" = 0 ] && args+=(--no-hook-time)
       [ -n "${ADDED_PAIRS:-}" ] && [[ $arg != old-* ]] && args+=(--added-pairs "$ADDED_PAIRS")
       [ -n "${GC:-}" ] && [[ $arg != old-* ]] && args+=(--gc "$GC")
       [ -n "${POLICIES:-}" ] && [[ $arg != old-* ]] && args+=(--policies "$POLICIES")

@@ -50,6 +50,28 @@ def test_spans_on_another_thread_are_their_own_outermost() -> None:
     assert set(timer.by_point) == {"main", "other thread"} and timer.by_point["other thread"][0] / 1e3 >= WAIT_US
 
 
+def test_counterparts_are_the_objects_at_the_same_paths_of_the_twin() -> None:
+    import torch
+
+    from bufreuse.bench.added_time import counterparts
+
+    class Dispatcher:  # a plain object a module holds, as MoELayer's token_dispatcher
+        pass
+
+    def build() -> torch.nn.Module:
+        layer = torch.nn.Module()
+        layer.experts = torch.nn.Module()
+        layer.experts.linear_fc2 = torch.nn.Linear(2, 2)
+        layer.token_dispatcher = Dispatcher()
+        return layer
+
+    a, b = build(), build()
+    got = counterparts(a, b, [(a.experts.linear_fc2, "forward"), (a.token_dispatcher, "combine"), (a, "forward")])
+    assert got == [(b.experts.linear_fc2, "forward"), (b.token_dispatcher, "combine"), (b, "forward")]
+    with pytest.raises(ValueError, match="not reachable"):  # positive control: an object of neither
+        counterparts(a, b, [(Dispatcher(), "combine")])
+
+
 def test_spanned_wraps_what_is_there_and_puts_it_back() -> None:
     class Stage:
         def run(self) -> str:
@@ -223,5 +245,6 @@ def test_only_the_added_time_rounds_drain(monkeypatch) -> None:
 
     monkeypatch.setattr(layer_bench, "_schedule", recording)
     _added("--added-pairs", "3")
-    # FAST: 2 main rounds of each arm x (1 untimed + 2 timed schedules), then 3 pairs x 2 rounds x (1 + 2), drained
-    assert seen == [False] * (2 * 2 * 3) + [True] * (3 * 2 * 3)
+    # FAST: 2 main rounds of each arm x (1 untimed + 2 timed schedules), then one untimed schedule of the control
+    # layer and of the arm's twin, and 3 pairs of one schedule each, drained
+    assert seen == [False] * (2 * 2 * 3) + [True] * (2 + 3 * 2)

@@ -3,23 +3,25 @@
 The hook clock (:mod:`bufreuse.bench.hook_time`) charges the hooks' own frames: its cost at every
 boundary, cold, stays in that figure, and what the control does instead (TE's allocation of the FC2
 output, the stage megatron runs itself) is not subtracted. This measures the difference of the arms
-instead. The points where a call enters the hooks (``Installation.entry_points``: the overridden stages,
-``forward`` of the FC2 module the TE route switched) are learnt from one installation of the arm; then,
-in rounds of the control and of the arm in A B B A order, the same span timer wraps those points in
-both arms (the outermost span on the calling thread only: nested points are inside it). The timer's
-cost is the same in both arms and cancels, and the control's own work at those points (the allocation
-the ring replaces) is in the control's figure. Hook code that runs outside every point exists in the
-hooked arm only and is timed by the same timer and added in full: autograd's unpack of a saved slot and
-the saved-reference holder's ``__del__`` (the deferred release) in backward, and the autograd Functions'
+instead. The arm is installed on a twin of the layer (built the same way: same weights, same inputs);
+the points where a call enters its hooks (``Installation.entry_points``: the overridden stages,
+``forward`` of the FC2 module the TE route switched) and the same points of the control layer
+(:func:`counterparts`) are wrapped by one span timer (the outermost span on the calling thread only:
+nested points are inside it), and one schedule of each layer runs in turn, A B B A. The timer's cost is
+the same in both and cancels, and the control's own work at those points (the allocation the ring
+replaces) is in the control's figure. Hook code that runs outside every point exists in the hooked arm
+only and is timed by the same timer and added in full: autograd's unpack of a saved slot and the
+saved-reference holder's ``__del__`` (the deferred release) in backward, and the autograd Functions'
 backward (the local spec's, whose control counterpart, a ``CatBackward``, is then not subtracted).
 
-Per pair of rounds the figure is the arm's µs per layer call less its neighbouring control round's; the
-mean over pairs has a 95% t interval. Two figures per round: the mean span per layer call (what throughput
-pays, every long call included) and the per-call median (each point's median span times its calls per layer
-call): the megatron / TE work inside a point varies by tens of µs from call to call, and a few long calls (an
-allocator segment, a page fault, the OS) move a round's mean by more than the hooks cost; the median is the
-typical call, which resolves the hooks' own microseconds where the mean cannot. Class-level patches shared by
-installations (the release-path patches of combined 1F1B, not called by a single layer) are not points.
+Per pair of schedules the figure is the arm's µs per layer call less its neighbouring control schedule's;
+the mean over pairs has a 95% t interval. Alternating schedules a few ms apart matters: in rounds of
+separate installations the control's own µs per layer call moved by hundreds of µs from round to round on
+the H200 host (the same TE work, typical call included), far more than the hooks cost. Two figures per
+schedule: the mean span per layer call (what throughput pays, every long call included) and the per-call
+median (each point's median span times its calls per layer call: the typical call). Class-level patches
+shared by installations (the release-path patches of combined 1F1B, not called by a single layer) are not
+points.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["SpanTimer", "outside_points", "pair_order", "spanned", "summarise_pairs"]
+__all__ = ["SpanTimer", "counterparts", "outside_points", "pair_order", "spanned", "summarise_pairs"]
 
 
 class SpanTimer:
@@ -94,6 +96,27 @@ class SpanTimer:
 def point_name(obj: Any, attr: str) -> str:
     """``Class.attr`` (the TE route's switched class keeps its class's name, so both arms name a point alike)."""
     return f"{type(obj).__name__}.{attr}"
+
+
+def counterparts(src: Any, dst: Any, points: list[tuple[Any, str]]) -> list[tuple[Any, str]]:
+    """``points`` on module ``src`` (or on objects its modules hold, as a layer's token dispatcher) -> the objects at
+    the same attribute paths of ``dst``, a module built the same way."""
+    paths: dict[int, list[str]] = {}
+    for name, module in src.named_modules():
+        base = name.split(".") if name else []
+        paths.setdefault(id(module), base)
+        for attr, value in vars(module).items():
+            paths.setdefault(id(value), [*base, attr])
+    out = []
+    for obj, attr in points:
+        path = paths.get(id(obj))
+        if path is None:
+            raise ValueError(f"{type(obj).__name__} is not reachable from {type(src).__name__}'s modules")
+        target = dst
+        for part in path:
+            target = getattr(target, part)
+        out.append((target, attr))
+    return out
 
 
 @contextlib.contextmanager

@@ -130,10 +130,11 @@ class LayerBenchConfig:
     hook_rounds: int = 3
     """Instrumented rounds per hooked arm (arms interleaved); the figure is their median, with the range."""
     added_time: bool = True
-    """After the rounds, pairs of control / arm rounds with one span timer at the hooks' entry points in both:
-    the host µs the hooks add per layer call over the control (:mod:`bufreuse.bench.added_time`)."""
-    added_pairs: int = 8
-    """Control / arm round pairs per hooked arm for ``added_time`` (A B B A); >= 3 for an interval."""
+    """After the rounds, pairs of control / arm schedules (the arm on a twin layer) with one span timer at the
+    hooks' entry points in both: the host µs the hooks add per layer call over the control
+    (:mod:`bufreuse.bench.added_time`)."""
+    added_pairs: int = 64
+    """Control / arm schedule pairs per hooked arm for ``added_time`` (A B B A); >= 3 for an interval."""
     gc: str = "auto"
     """``auto`` (Python's cyclic collector runs when its thresholds say, inside whatever code is running) or
     ``manual`` (as Megatron-LM's ``--manual-gc``, which large MoE recipes use: collected before each round, disabled
@@ -609,32 +610,58 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
 
 
 def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict[str, Any]:
-    """Per hooked arm: its entry points (one installation), then ``added_pairs`` control / arm round pairs with the
-    same span timer at those points in both (:mod:`bufreuse.bench.added_time`); arms with no entry point (the
-    as-installed arm at EP x ETP = 1) get none."""
-    from bufreuse.bench.added_time import SpanTimer, outside_points, pair_order, point_name, summarise_pairs
+    """Per hooked arm: the arm installed on a twin of the layer for the whole measurement, the control the layer
+    itself; ``added_pairs`` pairs of one schedule of each, alternating A B B A, with one span timer at the arm's
+    entry points and at the same points of the control layer (:mod:`bufreuse.bench.added_time`); arms with no
+    entry point (the as-installed arm at EP x ETP = 1) get none.
+
+    The twin is built as the layer is (same seed: same weights; same inputs), so both run the same work apart
+    from the hooks. Schedules a few ms apart see the same host state: rounds of separate installations (the first
+    design) differed by ±100–250 µs per layer call from round to round in the control alone, more than the hooks
+    cost. The GPU is drained before each layer call (outside the spans), so no host span waits behind GPU work.
+    """
+    from bufreuse.bench.added_time import (
+        SpanTimer,
+        counterparts,
+        outside_points,
+        pair_order,
+        point_name,
+        spanned,
+        summarise_pairs,
+    )
 
     cfg, out = p.cfg, {}
+    twin = _twin(p)
     timer = SpanTimer()
     with outside_points(timer) as during:
         for arm in arms:
-            with _installed(p.layer, arm, cfg, p.device) as inst:
+            order = pair_order(cfg.added_pairs, arm)
+            with _installed(twin.layer, arm, cfg, p.device, during) as inst:
                 seen: dict[tuple[int, str], tuple[Any, str]] = {}
                 for obj, attr in inst.entry_points:
                     seen.setdefault((id(obj), attr), (obj, attr))
                 points = list(seen.values())
-            order = pair_order(cfg.added_pairs, arm)
-            if not points:
-                out[arm] = {"points": [], "entry_points": [], "note": "no hook entry point: nothing added"}
-                for _ in order:
-                    tick()
-                continue
-            rounds: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
-            for who in order:
-                rounds[who].append(_added_time_round(p, who, points, timer, during))
-                tick()
+                if not points:
+                    out[arm] = {"points": [], "entry_points": [], "note": "no hook entry point: nothing added"}
+                    for _ in order:
+                        tick()
+                    continue
+                figures: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
+                control_points = counterparts(twin.layer, p.layer, points)
+                with spanned(points, timer), spanned(control_points, timer), _collector(cfg):
+                    for q in (p, twin):  # one untimed schedule each
+                        q.layer.zero_grad(set_to_none=True)
+                        q.schedule(drain=True)
+                    for who in order:
+                        q = p if who == "control" else twin
+                        _sync(p.cuda)
+                        timer.reset()
+                        q.schedule(drain=True)
+                        _sync(p.cuda)
+                        figures[who].append(_span_figures(timer, cfg.microbatches))
+                        tick()
             out[arm] = {
-                **summarise_pairs(rounds["control"], rounds[arm]),
+                **summarise_pairs(figures["control"], figures[arm]),
                 "entry_points": [point_name(obj, attr) for obj, attr in points],
             }
     local = "; local spec: CatIntoRing.backward is counted without the CatBackward the control runs instead"
@@ -643,15 +670,14 @@ def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict
         "target_us": ADDED_TARGET_US,
         "arms": out,
         "note": "added host µs per layer call: the same span timer at the hooks' entry points (the stages they "
-        "override, the FC2 module's forward on the TE route) in the control and in the arm, rounds in pairs "
-        "A B B A, the GPU drained before each layer call (outside the spans: no host span waits behind GPU work); "
-        "per pair the arm's µs less the control's (the timer's cost cancels, the control's own work there, "
-        "such as the FC2 allocation the ring replaces, is subtracted), mean over pairs with a 95% t interval; "
-        "'mean' rows take each round's mean span per layer call (what throughput pays), 'median' rows each "
-        "point's per-call median (the typical call: the long calls of megatron / TE work inside the points, which "
-        "move a round's mean by more than the hooks cost, left out); hook "
-        "code outside every point (autograd's unpack and the deferred release in backward, the Functions' "
-        "backward) is timed alike and counted in full" + (local if cfg.spec == "local" else ""),
+        "override, the FC2 module's forward on the TE route) of the arm, installed on a twin of the layer (same "
+        "weights, same inputs), and of the control layer; one schedule of each in turn, pairs A B B A, the GPU "
+        "drained before each layer call (outside the spans); per pair the arm's µs less the control's (the "
+        "timer's cost cancels, the control's own work there, such as the FC2 allocation the ring replaces, is "
+        "subtracted), mean over pairs with a 95% t interval; 'mean' rows take each schedule's mean span per layer "
+        "call (what throughput pays), 'median' rows each point's per-call median (the typical call); hook code "
+        "outside every point (autograd's unpack and the deferred release in backward, the Functions' backward) is "
+        "timed alike and counted in full" + (local if cfg.spec == "local" else ""),
     }
 
 
@@ -659,31 +685,19 @@ ADDED_TARGET_US = 10.0
 """The host time a ring's hooks may add per layer call over the control (issue 26's target), read by the verdict."""
 
 
-def _added_time_round(
-    p: _Prepared, arm: str, points: list[tuple[Any, str]], timer: Any, during: Callable[[], Any]
-) -> dict[str, Any]:
-    """One round of ``arm`` (or the control) with the span timer at ``points``: µs per layer call, by point.
+def _twin(p: _Prepared) -> _Prepared:
+    """A second layer built as ``p``'s (same seed, so the same weights), with ``p``'s inputs and schedule."""
+    layer = _build_layer(p.cfg, p.device)
+    layer.train()
+    return _Prepared(layer, _forward_fn(layer, p.cfg, p.device), p.cfg, p.device, p.xs, p.grads, p.steps)
 
-    The GPU is drained before every layer call (outside the spans): a host span that waited behind earlier GPU
-    work would measure the GPU, which moves rounds by hundreds of µs where host and GPU time are close.
-    """
-    from bufreuse.bench.added_time import spanned
 
-    cfg = p.cfg
-    with _installed(p.layer, arm, cfg, p.device, during), spanned(points, timer), _collector(cfg):
-        p.layer.zero_grad(set_to_none=True)
-        p.schedule(drain=True)
-        _sync(p.cuda)
-        timer.reset()
-        for _ in range(cfg.steps):
-            p.schedule(drain=True)
-        _sync(p.cuda)
-        by_point = {name: ns for name, (ns, _calls) in timer.by_point.items()}
-        calls = cfg.steps * cfg.microbatches
-        medians = timer.per_call_median_ns(calls)
+def _span_figures(timer: Any, calls: int) -> dict[str, Any]:
+    """What ``timer`` holds after ``calls`` layer calls: µs per layer call, by point, as means and per-call medians."""
+    medians = timer.per_call_median_ns(calls)
     return {
-        "us": sum(by_point.values()) / calls / 1e3,
-        "by_point": {n: ns / calls / 1e3 for n, ns in by_point.items()},
+        "us": timer.ns / calls / 1e3,
+        "by_point": {n: ns / calls / 1e3 for n, (ns, _n) in timer.by_point.items()},
         "median_us": sum(medians.values()) / 1e3,
         "by_point_median": {n: ns / 1e3 for n, ns in medians.items()},
     }

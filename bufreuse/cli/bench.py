@@ -155,13 +155,14 @@ def layer(
         bool,
         typer.Option(
             "--added-time/--no-added-time",
-            help="After the rounds, pairs of control and arm rounds with one span timer at the hooks' entry points "
-            "in both: the host µs the hooks add per layer call over the control, with a 95% interval.",
+            help="After the rounds, pairs of control and arm schedules (the arm on a twin of the layer) with one "
+            "span timer at the hooks' entry points in both: the host µs the hooks add per layer call over the "
+            "control, with a 95% interval.",
         ),
     ] = True,
     added_pairs: Annotated[
-        int, typer.Option(help="Control / arm round pairs per hooked arm for --added-time (A B B A).")
-    ] = 8,
+        int, typer.Option(help="Control / arm schedule pairs per hooked arm for --added-time (A B B A).")
+    ] = 64,
     gc_mode: Annotated[
         str,
         typer.Option(

@@ -200,8 +200,8 @@ def _added_time_table(added: dict[str, Any]) -> Table:
     interval, from the rounds' means and from their per-call medians, and each point's share."""
     target = added.get("target_us", 10.0)
     table = Table(
-        title=f"Host time added per layer call over the control ({added['pairs']} pairs of rounds, A B B A, "
-        "one span timer at the hooks' entry points in both arms)",
+        title=f"Host time added per layer call over the control ({added['pairs']} pairs of schedules, A B B A, the "
+        "arm on a twin of the layer, one span timer at the hooks' entry points in both)",
         title_justify="left",
     )
     for col in ("arm", "added µs", "95% CI", "verdict", "control µs at the points", "arm µs at the points"):
