@@ -15,13 +15,13 @@ saved-reference holder's ``__del__`` (the deferred release) in backward, and the
 backward (the local spec's, whose control counterpart, a ``CatBackward``, is then not subtracted).
 
 Per pair of schedules the figure is the arm's µs per layer call less its neighbouring control schedule's;
-the mean over pairs has a 95% t interval. Alternating schedules a few ms apart matters: in rounds of
-separate installations the control's own µs per layer call moved by hundreds of µs from round to round on
-the H200 host (the same TE work, typical call included), far more than the hooks cost. Two figures per
-schedule: the mean span per layer call (what throughput pays, every long call included) and the per-call
-median (each point's median span times its calls per layer call: the typical call). Class-level patches
-shared by installations (the release-path patches of combined 1F1B, not called by a single layer) are not
-points.
+the mean over pairs has a 95% t interval. One installation serves every pair, so a pair costs two schedules,
+not two installations: on the H200 host the TE work inside the points varies by 80–230 µs per layer call
+from one pair to the next (in rounds of separate installations as much), far more than the hooks cost, and
+only the count of pairs narrows the interval. Two figures per schedule: the mean span per layer call (what
+throughput pays, every long call included) and the per-call median (each point's median span times its
+calls per layer call: the typical call). Class-level patches shared by installations (the release-path
+patches of combined 1F1B, not called by a single layer) are not points.
 """
 
 from __future__ import annotations

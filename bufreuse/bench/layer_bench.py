@@ -616,9 +616,9 @@ def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict
     entry point (the as-installed arm at EP x ETP = 1) get none.
 
     The twin is built as the layer is (same seed: same weights; same inputs), so both run the same work apart
-    from the hooks. Schedules a few ms apart see the same host state: rounds of separate installations (the first
-    design) differed by ±100–250 µs per layer call from round to round in the control alone, more than the hooks
-    cost. The GPU is drained before each layer call (outside the spans), so no host span waits behind GPU work.
+    from the hooks; one installation serves every pair, so pairs are cheap and many (the spread between pairs is
+    the TE work's own, and only their count narrows the interval). The GPU is drained before each layer call
+    (outside the spans), so no host span waits behind GPU work.
     """
     from bufreuse.bench.added_time import (
         SpanTimer,
