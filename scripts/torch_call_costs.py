@@ -60,6 +60,10 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    if not torch.cuda.is_available():
+        print("torch_call_costs: needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
     main(sys.argv[1])
