@@ -103,7 +103,7 @@ case $stage in
       [ "$preset" = host ] && [ "${PROFILE:-1}" = 1 ] && args+=(--profile)
       [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
       [ -n "${STEPS:-}" ] && args+=(--steps "$STEPS")
-      [ "${HOOK_TIME:-1}" = 0 ] && args+=(--no-hook-time)
+      [ "${HOOK_TIME:-1}" = 0 ] && [[ $arg != old-* ]] && args+=(--no-hook-time)
       [ -n "${ADDED_PAIRS:-}" ] && [[ $arg != old-* ]] && args+=(--added-pairs "$ADDED_PAIRS")
       [ -n "${GC:-}" ] && [[ $arg != old-* ]] && args+=(--gc "$GC")
       [ -n "${POLICIES:-}" ] && [[ $arg != old-* ]] && args+=(--policies "$POLICIES")

@@ -185,6 +185,7 @@ def test_profile_counts_calls_and_finds_the_hooks_only_in_the_ring_arm() -> None
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--hook-rounds", "0"], "--hook-rounds must be >= 1"),
         (["--added-pairs", "0"], "--added-pairs must be >= 1"),
+        (["--added-pairs", "6"], "--added-pairs must be a multiple of 4"),
         (["--gc", "sometimes"], "--gc must be one of auto, manual"),
         (["--plot", "ratios.txt"], "--plot ratios.txt: the file name must end in .png"),
         (["--device", "meta"], "use cuda, cuda:N or cpu"),

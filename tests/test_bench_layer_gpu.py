@@ -60,7 +60,7 @@ def test_te_hooks_enter_the_fc2_shim_once_per_layer_call_and_nothing_else_per_ge
     forward is not wrapped at EP = 1 (no dispatch ring can reach it)."""
     args = ["bench", "layer", "--device", "cuda", *SHAPE, "--spec", "te", "--precision", precision, "--pad",
             "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", "2", "--warmup", "0",
-            "--added-pairs", "3", "--json"]  # fmt: skip
+            "--added-pairs", "8", "--json"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -77,7 +77,7 @@ def test_te_hooks_enter_the_fc2_shim_once_per_layer_call_and_nothing_else_per_ge
     points = {row["point"]: row for row in added["points"]}
     for name in added["entry_points"]:
         assert points[name]["control_us"] > 0 and points[name]["arm_us"] > 0, points
-    assert added["pairs"] == 3 and added["ci_low_us"] is not None
+    assert added["pairs"] == 8 and added["ci_low_us"] is not None and len(added["halves_added_us"]) == 2
     median = {row["point"]: row for row in added["per_call_median"]["points"]}  # the per-call medians, same points
     assert set(median) == set(points) and all(median[n]["control_us"] > 0 for n in added["entry_points"]), median
 

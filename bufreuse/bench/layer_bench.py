@@ -130,11 +130,12 @@ class LayerBenchConfig:
     hook_rounds: int = 3
     """Instrumented rounds per hooked arm (arms interleaved); the figure is their median, with the range."""
     added_time: bool = True
-    """After the rounds, pairs of control / arm schedules (the arm on a twin layer) with one span timer at the
-    hooks' entry points in both: the host µs the hooks add per layer call over the control
-    (:mod:`bufreuse.bench.added_time`)."""
+    """After the rounds, pairs of schedules of a hooked and a plain layer (the bench's and a twin, swapping roles
+    halfway) with one span timer at the hooks' entry points in both: the host µs the hooks add per layer call over
+    the control (:mod:`bufreuse.bench.added_time`)."""
     added_pairs: int = 64
-    """Control / arm schedule pairs per hooked arm for ``added_time`` (A B B A); >= 3 for an interval."""
+    """Control / arm schedule pairs per hooked arm for ``added_time`` (A B B A); a multiple of 4, >= 8 for an
+    interval (over A B B A groups)."""
     gc: str = "auto"
     """``auto`` (Python's cyclic collector runs when its thresholds say, inside whatever code is running) or
     ``manual`` (as Megatron-LM's ``--manual-gc``, which large MoE recipes use: collected before each round, disabled
@@ -212,6 +213,10 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.rounds < 2 or cfg.rounds % 2:
         raise InputError(f"--rounds must be even and >= 2 (A B B A cycles), got {cfg.rounds}")
+    if cfg.added_pairs % 4:
+        raise InputError(
+            f"--added-pairs must be a multiple of 4 (two halves, each whole A B B A groups), got {cfg.added_pairs}"
+        )
     if cfg.warmup < 0:
         raise InputError(f"--warmup must be >= 0, got {cfg.warmup}")
     if cfg.topk > cfg.experts:
@@ -610,75 +615,93 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
 
 
 def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict[str, Any]:
-    """Per hooked arm: the arm installed on a twin of the layer for the whole measurement, the control the layer
-    itself; ``added_pairs`` pairs of one schedule of each, alternating A B B A, with one span timer at the arm's
-    entry points and at the same points of the control layer (:mod:`bufreuse.bench.added_time`); arms with no
-    entry point (the as-installed arm at EP x ETP = 1) get none.
+    """Per hooked arm: ``added_pairs`` pairs of one schedule of a hooked layer and one of a plain one, alternating
+    A B B A, with one span timer at the arm's entry points and at the same points of the plain layer
+    (:mod:`bufreuse.bench.added_time`); arms with no entry point (the as-installed arm at EP x ETP = 1) get none.
 
-    The twin is built as the layer is (same seed: same weights; same inputs), so both run the same work apart
-    from the hooks; one installation serves every pair, so pairs are cheap and many (the spread between pairs is
-    the TE work's own, and only their count narrows the interval). The GPU is drained before each layer call
-    (outside the spans), so no host span waits behind GPU work.
+    The layers are the bench's and a twin built the same way (same seed: same weights; same inputs). In the first
+    half of the pairs the twin carries the hooks, in the second the bench's layer does (and the twin is the
+    control), so a difference between the two layers cancels; one installation serves each half, so pairs are
+    cheap and many (the spread between pairs is the TE work's own, and only their count narrows the interval).
+    The GPU is drained before each layer call (outside the spans), so no host span waits behind GPU work.
     """
-    from bufreuse.bench.added_time import (
-        SpanTimer,
-        counterparts,
-        outside_points,
-        pair_order,
-        point_name,
-        spanned,
-        summarise_pairs,
-    )
+    from bufreuse.bench.added_time import pair_order, point_name, summarise_pairs
 
     cfg, out = p.cfg, {}
-    twin = _twin(p)
-    timer = SpanTimer()
-    with outside_points(timer) as during:
-        for arm in arms:
-            order = pair_order(cfg.added_pairs, arm)
-            with _installed(twin.layer, arm, cfg, p.device, during) as inst:
-                seen: dict[tuple[int, str], tuple[Any, str]] = {}
-                for obj, attr in inst.entry_points:
-                    seen.setdefault((id(obj), attr), (obj, attr))
-                points = list(seen.values())
-                if not points:
-                    out[arm] = {"points": [], "entry_points": [], "note": "no hook entry point: nothing added"}
-                    for _ in order:
-                        tick()
-                    continue
-                figures: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
-                control_points = counterparts(twin.layer, p.layer, points)
-                with spanned(points, timer), spanned(control_points, timer), _collector(cfg):
-                    for q in (p, twin):  # one untimed schedule each
-                        q.layer.zero_grad(set_to_none=True)
-                        q.schedule(drain=True)
-                    for who in order:
-                        q = p if who == "control" else twin
-                        _sync(p.cuda)
-                        timer.reset()
-                        q.schedule(drain=True)
-                        _sync(p.cuda)
-                        figures[who].append(_span_figures(timer, cfg.microbatches))
-                        tick()
-            out[arm] = {
-                **summarise_pairs(figures["control"], figures[arm]),
-                "entry_points": [point_name(obj, attr) for obj, attr in points],
-            }
+    timer, twin = None, None
+    for arm in arms:
+        with _installed(p.layer, arm, cfg, p.device) as inst:  # what the arm hooks, on the bench's layer
+            points = _unique(inst.entry_points)
+        if not points:
+            out[arm] = {"points": [], "entry_points": [], "note": "no hook entry point: nothing added"}
+            for _ in range(2 * cfg.added_pairs):
+                tick()
+            continue
+        if twin is None:
+            from bufreuse.bench.added_time import SpanTimer
+
+            twin, timer = _twin(p), SpanTimer()
+        figures: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
+        halves = []
+        for hooked, plain in ((twin, p), (p, twin)):
+            half = _added_time_half(hooked, plain, arm, pair_order(cfg.added_pairs // 2, arm), timer, tick)
+            halves.append(summarise_pairs(half["control"], half[arm])["added_us"])
+            for who in figures:
+                figures[who] += half[who]
+        out[arm] = {
+            **summarise_pairs(figures["control"], figures[arm]),
+            "entry_points": [point_name(obj, attr) for obj, attr in points],
+            "halves_added_us": halves,
+        }
     local = "; local spec: CatIntoRing.backward is counted without the CatBackward the control runs instead"
     return {
         "pairs": cfg.added_pairs,
         "target_us": ADDED_TARGET_US,
         "arms": out,
         "note": "added host µs per layer call: the same span timer at the hooks' entry points (the stages they "
-        "override, the FC2 module's forward on the TE route) of the arm, installed on a twin of the layer (same "
-        "weights, same inputs), and of the control layer; one schedule of each in turn, pairs A B B A, the GPU "
-        "drained before each layer call (outside the spans); per pair the arm's µs less the control's (the "
-        "timer's cost cancels, the control's own work there, such as the FC2 allocation the ring replaces, is "
-        "subtracted), mean over pairs with a 95% t interval; 'mean' rows take each schedule's mean span per layer "
+        "override, the FC2 module's forward on the TE route) of a hooked layer and of a plain one (the bench's "
+        "layer and a twin with the same weights and inputs, swapping roles halfway); one schedule of each in turn, "
+        "pairs A B B A, the GPU drained before each layer call (outside the spans); per pair the hooked µs less "
+        "the plain's (the timer's cost cancels, the control's own work there, such as the FC2 allocation the ring "
+        "replaces, is subtracted), mean over pairs with a 95% t interval over the A B B A groups; 'mean' rows "
+        "take each schedule's mean span per layer "
         "call (what throughput pays), 'median' rows each point's per-call median (the typical call); hook code "
         "outside every point (autograd's unpack and the deferred release in backward, the Functions' backward) is "
         "timed alike and counted in full" + (local if cfg.spec == "local" else ""),
     }
+
+
+def _unique(points: list[tuple[Any, str]]) -> list[tuple[Any, str]]:
+    seen: dict[tuple[int, str], tuple[Any, str]] = {}
+    for obj, attr in points:
+        seen.setdefault((id(obj), attr), (obj, attr))
+    return list(seen.values())
+
+
+def _added_time_half(
+    hooked: _Prepared, plain: _Prepared, arm: str, order: list[str], timer: Any, tick: Callable[[], None]
+) -> dict[str, list[dict[str, Any]]]:
+    """``arm`` installed on ``hooked`` for the block, ``plain`` the control: one schedule of each per entry of
+    ``order``, the span timer at the arm's entry points and their counterparts on ``plain``."""
+    from bufreuse.bench.added_time import counterparts, outside_points, spanned
+
+    cfg = hooked.cfg
+    figures: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
+    with outside_points(timer) as during, _installed(hooked.layer, arm, cfg, hooked.device, during) as inst:
+        points = _unique(inst.entry_points)
+        with spanned(points, timer), spanned(counterparts(hooked.layer, plain.layer, points), timer), _collector(cfg):
+            for q in (plain, hooked):  # one untimed schedule each
+                q.layer.zero_grad(set_to_none=True)
+                q.schedule(drain=True)
+            for who in order:
+                q = plain if who == "control" else hooked
+                _sync(q.cuda)
+                timer.reset()
+                q.schedule(drain=True)
+                _sync(q.cuda)
+                figures[who].append(timer.snapshot(cfg.microbatches))
+                tick()
+    return figures
 
 
 ADDED_TARGET_US = 10.0
@@ -690,17 +713,6 @@ def _twin(p: _Prepared) -> _Prepared:
     layer = _build_layer(p.cfg, p.device)
     layer.train()
     return _Prepared(layer, _forward_fn(layer, p.cfg, p.device), p.cfg, p.device, p.xs, p.grads, p.steps)
-
-
-def _span_figures(timer: Any, calls: int) -> dict[str, Any]:
-    """What ``timer`` holds after ``calls`` layer calls: µs per layer call, by point, as means and per-call medians."""
-    medians = timer.per_call_median_ns(calls)
-    return {
-        "us": timer.ns / calls / 1e3,
-        "by_point": {n: ns / calls / 1e3 for n, (ns, _n) in timer.by_point.items()},
-        "median_us": sum(medians.values()) / 1e3,
-        "by_point_median": {n: ns / 1e3 for n, ns in medians.items()},
-    }
 
 
 def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: bool = False) -> dict[str, Any]:

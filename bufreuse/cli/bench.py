@@ -155,13 +155,13 @@ def layer(
         bool,
         typer.Option(
             "--added-time/--no-added-time",
-            help="After the rounds, pairs of control and arm schedules (the arm on a twin of the layer) with one "
-            "span timer at the hooks' entry points in both: the host µs the hooks add per layer call over the "
-            "control, with a 95% interval.",
+            help="After the rounds, pairs of schedules of a hooked and a plain layer (the bench's and a twin, "
+            "swapping roles halfway) with one span timer at the hooks' entry points in both: the host µs the hooks "
+            "add per layer call over the control, with a 95% interval.",
         ),
     ] = True,
     added_pairs: Annotated[
-        int, typer.Option(help="Control / arm schedule pairs per hooked arm for --added-time (A B B A).")
+        int, typer.Option(help="Schedule pairs per hooked arm for --added-time (A B B A; a multiple of 4).")
     ] = 64,
     gc_mode: Annotated[
         str,

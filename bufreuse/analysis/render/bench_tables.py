@@ -197,11 +197,11 @@ def _added_verdict(a: dict[str, Any], target: float) -> str:
 
 def _added_time_table(added: dict[str, Any]) -> Table:
     """Per hooked arm: host µs added per layer call over the control at the hooks' entry points, with its
-    interval, from the rounds' means and from their per-call medians, and each point's share."""
+    interval, from the schedules' means and from their per-call medians, and each point's share."""
     target = added.get("target_us", 10.0)
     table = Table(
-        title=f"Host time added per layer call over the control ({added['pairs']} pairs of schedules, A B B A, the "
-        "arm on a twin of the layer, one span timer at the hooks' entry points in both)",
+        title=f"Host time added per layer call over the control ({added['pairs']} pairs of schedules, A B B A, a "
+        "hooked and a plain layer swapping roles halfway, one span timer at the hooks' entry points in both)",
         title_justify="left",
     )
     for col in ("arm", "added µs", "95% CI", "verdict", "control µs at the points", "arm µs at the points"):
@@ -219,6 +219,10 @@ def _added_time_table(added: dict[str, Any]) -> Table:
         row(f"{arm}, mean", a)
         if a.get("per_call_median"):
             row(f"{arm}, median", a["per_call_median"])
+        if a.get("halves_added_us"):  # a difference between the two layers shows here, and cancels in the mean
+            first, second = a["halves_added_us"]
+            table.add_row(f"  {arm}, mean by half (twin hooked / layer hooked)", f"{first:+.1f} / {second:+.1f}",
+                          "", "", "", "")  # fmt: skip
     for arm, a in added["arms"].items():
         for which, rows in (("mean", a.get("points", [])), ("median", a.get("per_call_median", {}).get("points", []))):
             for p in rows:
