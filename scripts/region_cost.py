@@ -1,0 +1,122 @@
+"""What a saved-tensor region costs autograd, apart from bufreuse's pack / unpack code (CPU or CUDA, host µs).
+
+The added-time A/B on the H200 charges the combine stage about twice the hooks' own time there; the rest was
+thought to be torch's side of the region the stage opens (autograd calling Python for each saved tensor, at
+save and at backward). This measures that side alone on a stage shaped like the all-to-all combine (a product with
+the routing probabilities, an ``index_add`` into the output), so small that the kernels cost little:
+
+- ``plain``: the stage, no region;
+- ``identity hooks``: inside ``torch.autograd.graph.saved_tensors_hooks`` with identity pack / unpack (torch's
+  cost of a region, and of calling Python per saved tensor);
+- ``pool tracker``: inside ``BufferPool.track_saved()`` (the hot path's region, C pack where it builds).
+
+Blocks of ``--calls`` forward + backward calls, the three arms in A B C / C B A order over ``--blocks`` blocks; per
+block the median call; each arm's difference to ``plain`` per block, the mean with a 95% t interval.
+
+    python3 scripts/region_cost.py [--device cpu] [--blocks 12] [--calls 2000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from bufreuse.analysis.runs.stats import mean_diff_interval
+from bufreuse.pool import BufferPool
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if a.blocks < 3 or a.calls < 1:
+        print("region_cost: --blocks must be >= 3 and --calls >= 1", file=sys.stderr)
+        return 2
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("region_cost: no CUDA device", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    tokens, hidden = 8, 8
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    probs = torch.rand(tokens, 1, device=device, requires_grad=True)
+    index = torch.arange(tokens, device=device)
+    tracker = BufferPool(device, debug=False).track_saved()
+    packed = [0]
+
+    def stage() -> torch.Tensor:
+        return torch.zeros(tokens, hidden, device=device).index_add(0, index, x * probs)
+
+    def identity(t: torch.Tensor) -> torch.Tensor:
+        packed[0] += 1
+        return t
+
+    def hooks() -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(identity, lambda t: t):
+            return stage()
+
+    def tracked() -> torch.Tensor:
+        with tracker:
+            return stage()
+
+    arms = {"plain": stage, "identity hooks": hooks, "pool tracker": tracked}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def block(fn, n: int) -> tuple[float, float]:
+        fwd, bwd = [], []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            out = fn()
+            t1 = time.perf_counter_ns()
+            s = out.sum()
+            t2 = time.perf_counter_ns()
+            s.backward()
+            t3 = time.perf_counter_ns()
+            fwd.append(t1 - t0)
+            bwd.append(t3 - t2)
+        sync()
+        return statistics.median(fwd) / 1e3, statistics.median(bwd) / 1e3
+
+    for fn in arms.values():
+        block(fn, 500)
+    packed[0] = 0
+    hooks()
+    saved = packed[0]
+    per: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+    for k in range(a.blocks):
+        names = list(arms) if k % 2 == 0 else list(reversed(arms))
+        for name in names:
+            per[name].append(block(arms[name], a.calls))
+    result = {"device": str(device), "torch": torch.__version__, "saved_tensors_per_call": saved, "arms": {}}
+    for name in arms:
+        row = {"fwd_us": statistics.fmean(r[0] for r in per[name]), "bwd_us": statistics.fmean(r[1] for r in per[name])}
+        if name != "plain":
+            for i, part in enumerate(("fwd", "bwd")):
+                diffs = [r[i] - p[i] for r, p in zip(per[name], per["plain"], strict=True)]
+                lo, hi = mean_diff_interval([0.0] * len(diffs), diffs)
+                row[f"{part}_added_us"], row[f"{part}_ci_us"] = statistics.fmean(diffs), [lo, hi]
+        result["arms"][name] = row
+    print(f"{a.blocks} blocks of {a.calls} calls, {saved} saved tensors per call, {device}, torch {torch.__version__}")
+    for name, row in result["arms"].items():
+        line = f"  {name:15s} fwd {row['fwd_us']:6.1f} µs  bwd {row['bwd_us']:6.1f} µs"
+        if "fwd_added_us" in row:
+            line += "  added: fwd {:+.1f} [{:+.1f}, {:+.1f}]  bwd {:+.1f} [{:+.1f}, {:+.1f}]".format(
+                row["fwd_added_us"], *row["fwd_ci_us"], row["bwd_added_us"], *row["bwd_ci_us"]
+            )
+        print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
