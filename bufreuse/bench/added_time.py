@@ -58,14 +58,17 @@ class SpanTimer:
     def per_call_median_ns(self, calls: int) -> dict[str, float]:
         """Point name -> its median span times its calls per ``calls`` layer calls (ns per layer call)."""
         with self._lock:
-            return {n: statistics.median(v) * len(v) / calls for n, v in self.samples.items() if v}
+            return self._medians_ns(calls)
+
+    def _medians_ns(self, calls: int) -> dict[str, float]:  # the caller holds the lock
+        return {n: statistics.median(v) * len(v) / calls for n, v in self.samples.items() if v}
 
     def snapshot(self, calls: int) -> dict[str, Any]:
         """What the timer holds after ``calls`` layer calls, read under its lock: µs per layer call, by point, as
         means (``us``, ``by_point``) and per-call medians (``median_us``, ``by_point_median``)."""
         with self._lock:
             by_point = {n: row[0] for n, row in self.by_point.items()}
-            medians = {n: statistics.median(v) * len(v) / calls for n, v in self.samples.items() if v}
+            medians = self._medians_ns(calls)
         return {
             "us": sum(by_point.values()) / calls / 1e3,
             "by_point": {n: ns / calls / 1e3 for n, ns in by_point.items()},
@@ -189,10 +192,7 @@ def summarise_pairs(control: list[dict[str, Any]], arm: list[dict[str, Any]]) ->
     """
     out = _paired(control, arm, "us", "by_point")
     if all("median_us" in r for r in control + arm):
-        median = _paired(control, arm, "median_us", "by_point_median")
-        median["median_us"] = median.pop("median_of_pairs_us")
-        out["per_call_median"] = median
-    out["median_us"] = out.pop("median_of_pairs_us")
+        out["per_call_median"] = _paired(control, arm, "median_us", "by_point_median")
     return out
 
 
@@ -221,7 +221,7 @@ def _paired(control: list[dict[str, Any]], arm: list[dict[str, Any]], key: str, 
         "added_us": statistics.fmean(diffs),
         "ci_low_us": ci[0] if ci else None,
         "ci_high_us": ci[1] if ci else None,
-        "median_of_pairs_us": statistics.median(diffs),
+        "median_us": statistics.median(diffs),
         "pairs": len(diffs),
         "pair_added_us": diffs,
         "interval_over": f"{len(units)} A B B A groups" if grouped else f"{len(units)} pairs",
