@@ -84,7 +84,8 @@ case $stage in
     ;;
   bench)
     # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;
-    # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method;
+    # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method
+    # (OLD_ARGS=same: the flags newer than some old checkouts too: HOOK_TIME, ADDED_PAIRS, GC, POLICIES);
     # py- runs it with BUFREUSE_NATIVE=0 (the Python hot path)
     te_env
     declare -A seen=()
@@ -103,10 +104,10 @@ case $stage in
       [ "$preset" = host ] && [ "${PROFILE:-1}" = 1 ] && args+=(--profile)
       [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
       [ -n "${STEPS:-}" ] && args+=(--steps "$STEPS")
-      [ "${HOOK_TIME:-1}" = 0 ] && [[ $arg != old-* ]] && args+=(--no-hook-time)
-      [ -n "${ADDED_PAIRS:-}" ] && [[ $arg != old-* ]] && args+=(--added-pairs "$ADDED_PAIRS")
-      [ -n "${GC:-}" ] && [[ $arg != old-* ]] && args+=(--gc "$GC")
-      [ -n "${POLICIES:-}" ] && [[ $arg != old-* ]] && args+=(--policies "$POLICIES")
+      [ "${HOOK_TIME:-1}" = 0 ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--no-hook-time)
+      [ -n "${ADDED_PAIRS:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--added-pairs "$ADDED_PAIRS")
+      [ -n "${GC:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--gc "$GC")
+      [ -n "${POLICIES:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--policies "$POLICIES")
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"

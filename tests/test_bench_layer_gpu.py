@@ -95,7 +95,9 @@ TE_PAD_HOOKS = (
     "pool.tracking._pack_unpack.<locals>.pack",
     "native._hotpath.Pack",
     "pool.tracking._pack_unpack.<locals>.unpack",
+    "native._hotpath.unpack",
     "pool.tracking._SavedRef.__del__",
+    "native._hotpath.SavedRef.__del__",
 )
 """Every hook the TE module route may enter at EP = 1 in pad mode. An experts' wrapper (``tracked``'s
 ``when_read`` / ``always``), an FC2 forward override or a class-level route would add a name outside it."""

@@ -155,7 +155,7 @@ def test_acquire_and_release_match_the_python_reference(seed: int) -> None:
     rng = random.Random(seed)
     rings = {fast: _fake_cuda_ring(f"r{fast}") for fast in (False, True)}
     held: dict[bool, list] = {False: [], True: []}
-    fast_releases = fast_acquires = 0
+    fast_releases = fast_acquires = fast_deferrals = fast_untracks = 0
     for _ in range(80):
         stream, rows, pick, saved = rng.choice([1, 1, 1, 2, 3]), rng.choice([8, 8, 5, 0, 3]), rng.random(), rng.random()
         acquire = rng.random() < 0.5
@@ -177,16 +177,20 @@ def test_acquire_and_release_match_the_python_reference(seed: int) -> None:
             t, deferred = entry
             slot = ring._slot_for(t, ring._storage_ptr)
             if deferred:  # autograd frees the saved reference on this stream: the deferred release completes
-                ring._untrack(slot, slot.generation, ring._epoch)
+                done = HOT.untrack(ring, slot, slot.generation, ring._epoch) if fast else None
+                fast_untracks += done is not None
+                if done is None:
+                    ring._untrack(slot, slot.generation, ring._epoch)
                 h[:] = [e for e in h if e is not entry]
                 continue
             if saved < 0.25:
                 with ring._lock:
                     slot.saved_refs += 1
             if fast:
-                now = HOT.release(ring, t)
+                now = HOT.release_when_unsaved(ring, t)
                 fast_releases += now is not None
-                now = True if now is not None else ring.release_when_unsaved(t)
+                fast_deferrals += now is False
+                now = now if now is not None else ring.release_when_unsaved(t)
             else:
                 now = ring.release_when_unsaved(t)
             if now:
@@ -197,6 +201,7 @@ def test_acquire_and_release_match_the_python_reference(seed: int) -> None:
         assert _state(a[0]) == _state(b[0])
         assert a[2] == b[2]  # the same records and waits, on the same streams, in the same order
     assert fast_acquires > 5 and fast_releases > 5  # the C path did the work, not only its fallbacks
+    assert fast_deferrals > 0 and fast_untracks > 0, (fast_deferrals, fast_untracks)
 
 
 def test_each_fast_path_declines_what_python_must_do() -> None:
@@ -299,8 +304,142 @@ def test_the_fast_paths_leak_nothing_over_fake_streams() -> None:
     assert grown < 20_000 and [sys.getrefcount(x) for x in streams] == refs
 
 
+def test_the_deferred_paths_decline_what_python_must_do() -> None:
+    """The deferral and the saved reference's release leave to Python (None, nothing changed): a ring whose lock
+    another thread holds (Python waits for it), no spare event for the reader's mark (Python makes one), a final
+    release with a reader on another stream (Python waits on it), a capture phase, debug mode."""
+    import threading
+
+    ring, ops, log = _fake_cuda_ring("r")
+    ring._spare_events.append(_Named("s0"))
+    t = ring.acquire((8, 4))
+    slot = ring._slots[0]
+    slot.saved_refs = 1
+    before = _state(ring)
+    taken, leave = threading.Event(), threading.Event()
+
+    def hold_lock() -> None:
+        with ring._lock:
+            taken.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=hold_lock)
+    other.start()
+    try:
+        assert taken.wait(10)
+        assert HOT.release_when_unsaved(ring, t) is None
+        assert HOT.untrack(ring, slot, slot.generation, ring._epoch) is None
+    finally:
+        leave.set()
+        other.join()
+    assert _state(ring) == before
+    for phase_or_debug in ("phase", "debug"):
+        if phase_or_debug == "phase":
+            ring._phase = Phase.GRAPHED
+        else:
+            ring.debug = True
+        assert HOT.release_when_unsaved(ring, t) is None
+        assert HOT.untrack(ring, slot, slot.generation, ring._epoch) is None
+        ring._phase, ring.debug = Phase.EAGER, False
+    assert _state(ring) == before
+    spare = ring._spare_events.pop()
+    assert HOT.release_when_unsaved(ring, t) is None and _state(ring) == before  # no spare event: Python's
+    ring._spare_events.append(spare)
+    assert HOT.release_when_unsaved(ring, t) is False  # positive control: deferred in C, an elided mark
+    assert slot.pending and slot.marks == [(ops._by_ptr[1], spare, True)] and log == []
+    slot.marks.append((ops._by_ptr[2], _Named("m2"), True))  # a reader on another stream
+    state = _state(ring)
+    assert HOT.untrack(ring, slot, slot.generation, ring._epoch) is None and _state(ring) == state
+    slot.marks.pop()
+    assert HOT.untrack(ring, slot, slot.generation, ring._epoch) is True  # positive control: released in C
+    assert slot.live is None and not slot.pending and ring._spare_events == [spare] and log == []
+    assert ring.stats.deferred_releases == 1 and ring.held == 0
+
+
+def test_autograd_frees_c_saved_references_and_the_slot_with_them() -> None:
+    """Real autograd on CPU: a slot saved inside the pool's region is packed by the C pack (a counted reference),
+    released by ``release_when_unsaved`` in C (deferred), handed back by the C unpack, and freed with the saved
+    variable after the backward that read it, by the C finalizer (Python's ``_untrack`` not called; in debug mode,
+    the positive control, it is). A reacquired slot raises at unpack, in Python's words."""
+    results = {}
+    for debug in (False, True):
+        pool = BufferPool("cpu", debug=debug)
+        pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+        ring = pool.get("x")
+        calls = []
+        reference = ring._untrack
+        ring._untrack = lambda *a, calls=calls, reference=reference: (calls.append(a), reference(*a))[1]
+        w = torch.randn(4, requires_grad=True)
+        slot = pool.acquire("x", (8, 4))
+        slot.copy_(torch.arange(32.0).view(8, 4))
+        with pool.track_saved():
+            out = slot[2:] * w  # saves a view of the slot for w's gradient
+        assert ring._slots[0].saved_refs == 1
+        assert pool.release_when_unsaved("x", slot) is False and ring.held == 1
+        out.sum().backward()
+        assert torch.equal(w.grad, torch.arange(32.0).view(8, 4)[2:].sum(0))
+        results[debug] = (ring.held, ring._slots[0].saved_refs, ring.stats.deferred_releases, len(calls))
+    assert results[False] == (0, 0, 1, 0)  # C: released, and Python's _untrack never ran
+    assert results[True] == (0, 0, 1, 1)  # positive control: debug mode goes through Python's
+
+    pool = BufferPool("cpu")
+    pool.register("x", policy="ring", num_slots=1, max_shape=(8, 4), dtype=torch.float32)
+    w = torch.randn(4, requires_grad=True)
+    slot = pool.acquire("x", (8, 4))
+    with pool.track_saved():
+        out = slot * w
+    pool.get("x")._slots[0].generation += 1  # as if released and acquired again meanwhile
+    with pytest.raises(SavedForBackwardError, match="acquired again"):
+        out.sum().backward()
+
+
+def test_the_deferred_paths_leak_nothing() -> None:
+    """Thousands of deferrals and saved-reference releases in C over two streams (marks elided and recorded, final
+    releases elided and recorded): no memory retained, no reference kept on the streams or events."""
+    import tracemalloc
+
+    ring, ops, _ = _fake_cuda_ring("r")
+    ops.record = lambda event, stream: object()  # fresh results, kept by nothing (the fake's log would grow)
+    ops.wait = lambda event, stream: object()
+    ring._spare_events.extend(_Named(f"s{i}") for i in range(2))
+    streams = [ops._by_ptr[1], ops._by_ptr[2]]
+    done = {"defer": 0, "untrack": 0}
+
+    def cycle(i: int) -> None:
+        ops.current = 1 + (i // 2) % 2
+        ring._elide = i % 3 != 0
+        t = HOT.acquire(ring, (5, 4))
+        t = ring.acquire((5, 4)) if t is None else t  # a wait on an elided event: Python's
+        slot = ring._slot_for(t, ring._storage_ptr)
+        with ring._lock:
+            slot.saved_refs += 2
+        assert HOT.release_when_unsaved(ring, t) is False
+        for _ in range(2):
+            assert slot.pending and slot.live is not None  # held while a saved reference is left
+            r = HOT.untrack(ring, slot, slot.generation, ring._epoch)
+            done["untrack"] += r is True
+            if r is None:
+                ring._untrack(slot, slot.generation, ring._epoch)
+        assert slot.live is None and not slot.pending
+        done["defer"] += 1
+
+    for i in range(200):
+        cycle(i)
+    assert done["untrack"] > 300  # the C release did most of them
+    refs = [sys.getrefcount(x) for x in (*streams, *ring._spare_events)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(3000):
+        cycle(i)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 20_000 and [sys.getrefcount(x) for x in (*streams, *ring._spare_events)] == refs
+
+
 def test_held_release_is_helds() -> None:
-    """``held_release``: once; an immediate release in C, a deferred one through Python; ``deferred`` as Python's."""
+    """``held_release``: once; an immediate release and a deferred one in C; ``deferred`` as Python's."""
     pool = BufferPool("cpu")
     pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
     ring = pool.get("x")
@@ -312,7 +451,7 @@ def test_held_release_is_helds() -> None:
     HOT.held_release(a)
     assert python_calls == []  # released in C
     HOT.held_release(b)
-    assert len(python_calls) == 1 and python_calls[0] is b.tensor  # deferred: Python's, under the ring's lock
+    assert python_calls == []  # deferred in C too
     del ring.release_when_unsaved
     assert (a.released, a.deferred, b.released, b.deferred) == (True, False, True, True)
     assert ring.stats.deferred_releases == 1 and ring.held == 1

@@ -140,8 +140,9 @@ def _name(fn: Any) -> str:
     code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
     if type(fn).__module__ == "bufreuse.native._hotpath":  # the C hot path's callables: named by their type
         name = f"{type(fn).__module__}.{type(fn).__qualname__}"
-    elif code is None or glb is None:
-        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    elif code is None or glb is None:  # a C function, or a slot of a C type (the saved reference's finalizer)
+        module = getattr(fn, "__module__", None) or getattr(getattr(fn, "__objclass__", None), "__module__", "?")
+        return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
     else:
         name = f"{glb.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
     inner = getattr(fn, "__wrapped__", None)
@@ -188,9 +189,10 @@ def pool_hook_code_wrapped(wrap: Callable[[Callable[..., Any], str], Callable[..
     undo: list[Callable[[], None]] = []
 
     def patch(obj: Any, attr: str, value: Any) -> None:
-        old = vars(obj)[attr]
+        own = attr in vars(obj)  # else inherited (the C finalizer of the saved reference): deleted again after
+        old = vars(obj).get(attr)
         setattr(obj, attr, value)
-        undo.append(lambda: setattr(obj, attr, old))
+        undo.append(lambda: setattr(obj, attr, old) if own else delattr(obj, attr))
 
     try:
         patch(tracking._SavedRef, "__del__", wrap(tracking._SavedRef.__del__, "saved-reference release (__del__)"))

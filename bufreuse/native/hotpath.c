@@ -11,9 +11,16 @@
  *
  * Functions:
  *   acquire(ring, shape)           BufferRing.acquire's common case, or None: the caller runs the Python method
- *   release(ring, tensor)          BufferRing.release_when_unsaved's immediate case: True, or None (Python method)
+ *   release(ring, tensor)          BufferRing.release's common case (nothing saved or held): True, or None
+ *   release_when_unsaved(ring, tensor)
+ *                                  its common cases: True (released now), False (deferred: a saved reference or
+ *                                  a hold still reads the slot, this reader's mark left), or None (Python method)
  *   held_release(held)             Held.release with the above
- *   Pack(spans, strict)            the saved-tensor pack hook (tracking._pack_unpack)
+ *   Pack(spans, strict)            the saved-tensor pack hook (tracking._pack_unpack); a held slot's saved
+ *                                  reference is a SavedRef (tracking._SavedRef derives from it), counted in C
+ *   unpack(packed)                 the unpack hook
+ *   SavedRef                       its finalizer is the deferred release (SavedRefCounting._untrack's common
+ *                                  cases; untrack(ring, slot, generation, epoch) runs it for the tests)
  *   AfterStage(stage, queue, tracker)
  *                                  call a stage (inside the tracker's saved-tensor region when its first
  *                                  argument views a queued acquisition); release the queue's front once the
@@ -24,7 +31,8 @@
  *
  * Every fast path checks all it needs before it changes anything, and otherwise answers "not mine" (None)
  * or calls the Python fallback, which then does exactly what it always did: debug mode, CUDA-graph phases,
- * waits on an elided event, deferred releases, fallback allocations and every error stay in Python.
+ * waits on an elided event, readers on other streams, a ring lock another thread holds, fallback allocations and
+ * every error stay in Python.
  * Only the Python C API is used (no torch headers), so one source builds against any torch;
  * tests/test_native_hotpath.py runs both paths side by side.
  */
@@ -36,6 +44,7 @@
 
 #define FALLBACK 0
 #define DONE 1
+#define DEFERRED 2 /* release_when_unsaved: the release waits for the slot's readers (done, not released now) */
 
 #if PY_VERSION_HEX < 0x030C0000 /* Python 3.11: PyErr_GetRaisedException / SetRaisedException are 3.12's */
 static PyObject *PyErr_GetRaisedException(void) {
@@ -62,8 +71,8 @@ static PyTypeObject *TENSOR = NULL, *DEQUE = NULL;
 static PyObject *T_DATA_PTR = NULL, *T_DETACH = NULL, *T_DTYPE = NULL, *D_POPLEFT = NULL, *D_APPEND = NULL;
 static PyObject *EMPTY = NULL;     /* () */
 
-#define NAMES(X) X(data_ptr) X(detach) X(_track) X(release_when_unsaved) X(release) X(out) X(popleft) X(append) \
-  X(shape) X(dtype)
+#define NAMES(X) X(data_ptr) X(detach) X(_track) X(_untrack) X(release_when_unsaved) X(release) X(out) X(popleft) \
+  X(append) X(shape) X(dtype) X(acquire) X(unpack)
 
 #define DECLARE(n) static PyObject *s_##n;
 NAMES(DECLARE)
@@ -89,9 +98,9 @@ typedef struct {
 
 typedef struct {
   PyObject_HEAD
-  PyObject *_phase, *_slots, *_by_id, *_ops, *_fallback, *_watchdog, *max_shape;
+  PyObject *_phase, *_slots, *_by_id, *_ops, *_fallback, *_watchdog, *max_shape, *_slot_map, *_lock, *_spare_events;
   Py_ssize_t _cursor, num_slots, _generation, _acquisitions, _held, _deferred_freed, _peak_held, _gpu_waits,
-      _elided, _releases;
+      _elided, _releases, _epoch, _deferred, _marks_elided, _deferred_elided;
   char debug, _cuda, _elide;
 } Ring;
 
@@ -115,6 +124,12 @@ typedef struct {
   char strict;
 } Tracker;
 
+typedef struct {
+  PyObject_HEAD
+  PyObject *tensor, *ring, *slot;
+  Py_ssize_t generation, epoch;
+} SavedRef;
+
 #define OBJ(T, f) {#f, T_OBJECT_EX, offsetof(T, f), 0, NULL}
 #define SSZ(T, f) {#f, T_PYSSIZET, offsetof(T, f), 0, NULL}
 #define BOOL(T, f) {#f, T_BOOL, offsetof(T, f), 0, NULL}
@@ -128,10 +143,11 @@ static PyMemberDef ops_members[] = {
     OBJ(Ops, wait), BOOL(Ops, cuda), {NULL}};
 static PyMemberDef ring_members[] = {
     OBJ(Ring, _phase), OBJ(Ring, _slots), OBJ(Ring, _by_id), OBJ(Ring, _ops), OBJ(Ring, _fallback),
-    OBJ(Ring, _watchdog), OBJ(Ring, max_shape), SSZ(Ring, _cursor), SSZ(Ring, num_slots), SSZ(Ring, _generation),
-    SSZ(Ring, _acquisitions), SSZ(Ring, _held), SSZ(Ring, _deferred_freed), SSZ(Ring, _peak_held),
-    SSZ(Ring, _gpu_waits), SSZ(Ring, _elided), SSZ(Ring, _releases), BOOL(Ring, debug), BOOL(Ring, _cuda),
-    BOOL(Ring, _elide), {NULL}};
+    OBJ(Ring, _watchdog), OBJ(Ring, max_shape), OBJ(Ring, _slot_map), OBJ(Ring, _lock), OBJ(Ring, _spare_events),
+    SSZ(Ring, _cursor), SSZ(Ring, num_slots), SSZ(Ring, _generation), SSZ(Ring, _acquisitions), SSZ(Ring, _held),
+    SSZ(Ring, _deferred_freed), SSZ(Ring, _peak_held), SSZ(Ring, _gpu_waits), SSZ(Ring, _elided),
+    SSZ(Ring, _releases), SSZ(Ring, _epoch), SSZ(Ring, _deferred), SSZ(Ring, _marks_elided),
+    SSZ(Ring, _deferred_elided), BOOL(Ring, debug), BOOL(Ring, _cuda), BOOL(Ring, _elide), {NULL}};
 static PyMemberDef held_members[] = {
     OBJ(Held, pool), OBJ(Held, name), OBJ(Held, tensor), OBJ(Held, entry), SSZ(Held, lo), SSZ(Held, hi),
     BOOL(Held, released), BOOL(Held, deferred), {NULL}};
@@ -141,6 +157,9 @@ static PyMemberDef route_members[] = {
 static PyMemberDef tracker_members[] = {
     OBJ(Tracker, _push), OBJ(Tracker, _pop), SSZ(Tracker, _depth), SSZ(Tracker, regions), BOOL(Tracker, strict),
     {NULL}};
+static PyMemberDef saved_ref_members[] = {
+    OBJ(SavedRef, tensor), OBJ(SavedRef, ring), OBJ(SavedRef, slot), SSZ(SavedRef, generation),
+    SSZ(SavedRef, epoch), {NULL}};
 
 /* traverse / clear / dealloc over a struct's object fields: one generic set, driven by the member table */
 #define FIELD(o, m) (*(PyObject **)((char *)(o) + (m)->offset))
@@ -185,6 +204,7 @@ STATE_TYPE(RingType, "Ring", Ring, ring_members, "A ring's hot fields (base of b
 STATE_TYPE(HeldType, "Held", Held, held_members, "An acquisition's fields (base of integrations.core.Held)")
 STATE_TYPE(RouteType, "Route", Route, route_members, "An FC2 route's fields (base of te.out_route.Fc2Route)")
 STATE_TYPE(TrackerType, "Tracker", Tracker, tracker_members, "A region's fields (base of tracking.SavedTracker)")
+static PyTypeObject SavedRefType; /* below: a state type with a finalizer (the deferred release) */
 
 static PyMemberDef *members_of(PyTypeObject *t) {
   for (; t != NULL; t = t->tp_base) {
@@ -194,6 +214,7 @@ static PyMemberDef *members_of(PyTypeObject *t) {
     if (t == &HeldType) return held_members;
     if (t == &RouteType) return route_members;
     if (t == &TrackerType) return tracker_members;
+    if (t == &SavedRefType) return saved_ref_members;
   }
   return NULL;
 }
@@ -253,6 +274,98 @@ static int current_stream(Ops *ops, PyObject **out) {
   if (stream == NULL) return PyErr_Occurred() ? -1 : FALLBACK;
   *out = Py_NewRef(stream);
   return DONE;
+}
+
+/* ---- the ring's lock and reader marks ------------------------------------------------------------------
+ * The Python code takes the ring's RLock around saved-reference counts and deferral (readers finish on autograd's
+ * threads). The C paths take it without blocking and leave the case to Python when another thread holds it (Python
+ * then waits for it); on the thread holding it already (a holder freed by the collector inside a locked section)
+ * they enter, as Python's reentrant lock lets its code. Between taking and giving it back they make no
+ * allocation that could run the collector and no call that could let another thread in, except where noted. */
+
+static int lock_try(Ring *ring) { /* 1: taken, 0: another thread has it, -1: error */
+  if (ring->_lock == NULL) return 0;
+  PyObject *r = PyObject_CallMethodOneArg(ring->_lock, s_acquire, Py_False);
+  if (r == NULL) return -1;
+  int t = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return t;
+}
+
+static int lock_give(Ring *ring) {
+  PyObject *r = PyObject_CallMethodNoArgs(ring->_lock, s_release);
+  if (r == NULL) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+static int record(Ops *ops, PyObject *event, PyObject *stream) {
+  PyObject *args[2] = {event, stream};
+  PyObject *r = PyObject_Vectorcall(ops->record, args, 2, NULL);
+  if (r == NULL) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+/* _mark(slot, stream), planned: which of its cases applies, before anything changes. MARK_NONE: the stream's reader
+ * mark is there, elided (nothing to do); MARK_RECORD: there, recorded (record it again on the stream); MARK_APPEND:
+ * none, a spare event goes into a new mark (elided in eager while the ring elides, else recorded now); FALLBACK: no
+ * spare event (Python makes one), a phase other than eager, or no way to record. */
+#define MARK_NONE 1
+#define MARK_RECORD 2
+#define MARK_APPEND 3
+static int mark_plan(Ring *ring, Slot *slot, PyObject *stream, Ops *ops) {
+  if (slot->marks == NULL || !PyList_CheckExact(slot->marks) || ring->_phase != EAGER) return FALLBACK;
+  Py_ssize_t n = PyList_GET_SIZE(slot->marks);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *m = PyList_GET_ITEM(slot->marks, i);
+    if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 3) return FALLBACK;
+    if (PyTuple_GET_ITEM(m, 0) == stream) {
+      int late = PyObject_IsTrue(PyTuple_GET_ITEM(m, 2));
+      if (late < 0) return -1;
+      if (late) return MARK_NONE;
+      return ops->record == NULL ? FALLBACK : MARK_RECORD;
+    }
+  }
+  if (ring->_spare_events == NULL || !PyList_CheckExact(ring->_spare_events) ||
+      PyList_GET_SIZE(ring->_spare_events) == 0 || (!ring->_elide && ops->record == NULL))
+    return FALLBACK;
+  return MARK_APPEND;
+}
+
+/* the planned mark, done (under the ring's lock, as Python's _mark): `fresh` is a 3-tuple made before the lock */
+static int mark_apply(Ring *ring, Slot *slot, Ops *ops, int plan, PyObject *stream, PyObject *fresh) {
+  if (plan == MARK_NONE) return 0;
+  if (plan == MARK_RECORD) {
+    Py_ssize_t n = PyList_GET_SIZE(slot->marks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject *m = PyList_GET_ITEM(slot->marks, i);
+      if (PyTuple_GET_ITEM(m, 0) == stream) {
+        PyObject *event = Py_NewRef(PyTuple_GET_ITEM(m, 1));
+        int r = record(ops, event, stream); /* re-recording on the same stream still covers the earlier reads */
+        Py_DECREF(event);
+        return r;
+      }
+    }
+    return 0;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(ring->_spare_events);
+  PyObject *event = Py_NewRef(PyList_GET_ITEM(ring->_spare_events, n - 1));
+  if (PyList_SetSlice(ring->_spare_events, n - 1, n, NULL) < 0) {
+    Py_DECREF(event);
+    return -1;
+  }
+  int late = ring->_elide;
+  if (!late && record(ops, event, stream) < 0) {
+    Py_DECREF(event);
+    return -1;
+  }
+  PyTuple_SET_ITEM(fresh, 0, Py_NewRef(stream));
+  PyTuple_SET_ITEM(fresh, 1, event);
+  PyTuple_SET_ITEM(fresh, 2, Py_NewRef(late ? Py_True : Py_False));
+  if (PyList_Append(slot->marks, fresh) < 0) return -1;
+  if (late) ring->_marks_elided += 1;
+  return 0;
 }
 
 /* ---- acquire ---------------------------------------------------------------------------------------- */
@@ -387,9 +500,50 @@ static PyObject *py_acquire(PyObject *mod, PyObject *const *args, Py_ssize_t nar
 
 /* ---- release ---------------------------------------------------------------------------------------- */
 
-/* BufferRing.release_when_unsaved(tensor) on the current stream when nothing else reads the slot (no saved
- * reference, hold or reader mark), eager, production mode; FALLBACK otherwise (before any change). */
-static int release_impl(PyObject *ring_, PyObject *tensor) {
+/* release_when_unsaved's deferral in its common cases: DEFERRED, or FALLBACK before any change. A saved reference
+ * or a hold still reads the slot: it stays held (pending), and this reader's mark is left on the current stream for
+ * the final release to join (elided in eager: recorded only if the final release comes on another stream). */
+static int defer_impl(Ring *ring, Slot *slot, PyObject *key) {
+  PyObject *stream = NULL, *fresh = NULL;
+  Ops *ops = NULL;
+  int r, plan = MARK_NONE;
+  if (ring->_cuda) {
+    if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
+    ops = (Ops *)ring->_ops;
+    if ((r = current_stream(ops, &stream)) != DONE) return r;
+    if ((fresh = PyTuple_New(3)) == NULL) { /* made before the lock: nothing allocated under it */
+      Py_DECREF(stream);
+      return -1;
+    }
+  }
+  if ((r = lock_try(ring)) != 1) goto out; /* 0: another thread is in a locked section: Python waits for it */
+  if (!(slot->saved_refs || slot->holds)) { /* the last reader went meanwhile: Python's immediate release */
+    r = FALLBACK;
+    goto unlock;
+  }
+  if (ops != NULL && (plan = mark_plan(ring, slot, stream, ops)) <= 0) {
+    r = plan;
+    goto unlock;
+  }
+  /* deferred from here on */
+  r = PyDict_DelItem(ring->_by_id, key) < 0 ? -1 : DEFERRED;
+  if (r == DEFERRED) {
+    slot->pending = 1;
+    ring->_deferred += 1;
+    if (ops != NULL && mark_apply(ring, slot, ops, plan, stream, fresh) < 0) r = -1;
+  }
+unlock:
+  if (lock_give(ring) < 0) r = -1;
+out:
+  Py_XDECREF(stream);
+  Py_XDECREF(fresh);
+  return r;
+}
+
+/* BufferRing.release_when_unsaved(tensor) (defer) or release(tensor) on the current stream, eager, production mode:
+ * DONE when nothing else reads the slot (no saved reference, hold or reader mark), DEFERRED (defer only) when
+ * something does, in defer_impl's cases; FALLBACK otherwise (before any change). */
+static int release_impl(PyObject *ring_, PyObject *tensor, int defer) {
   if (!IS(ring_, RingType)) return FALLBACK;
   Ring *ring = (Ring *)ring_;
   if (ring->debug || ring->_phase != EAGER || ring->_by_id == NULL || !PyDict_CheckExact(ring->_by_id))
@@ -406,6 +560,10 @@ static int release_impl(PyObject *ring_, PyObject *tensor) {
   Slot *slot = (Slot *)Py_NewRef(slot_); /* held across the calls below, which run Python */
   PyObject *stream = NULL;
   Ops *ops = NULL;
+  if (defer && (slot->saved_refs || slot->holds)) {
+    r = defer_impl(ring, slot, key);
+    goto out;
+  }
   if (slot->saved_refs || slot->holds || slot->marks == NULL || !PyList_CheckExact(slot->marks) ||
       PyList_GET_SIZE(slot->marks) != 0 || slot->eager_event == NULL)
     goto out;
@@ -456,10 +614,21 @@ static PyObject *py_release(PyObject *mod, PyObject *const *args, Py_ssize_t nar
     PyErr_SetString(PyExc_TypeError, "release(ring, tensor)");
     return NULL;
   }
-  int r = release_impl(args[0], args[1]);
+  int r = release_impl(args[0], args[1], 0);
   if (r < 0) return NULL;
   if (r == FALLBACK) Py_RETURN_NONE;
   Py_RETURN_TRUE;
+}
+
+static PyObject *py_release_when_unsaved(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "release_when_unsaved(ring, tensor)");
+    return NULL;
+  }
+  int r = release_impl(args[0], args[1], 1);
+  if (r < 0) return NULL;
+  if (r == FALLBACK) Py_RETURN_NONE;
+  return Py_NewRef(r == DONE ? Py_True : Py_False);
 }
 
 /* Held.release(): once; the ring's immediate release, else its Python release_when_unsaved */
@@ -476,8 +645,11 @@ static int held_release_impl(PyObject *held_) {
     return -1;
   }
   PyObject *entry = Py_NewRef(held->entry), *tensor = Py_NewRef(held->tensor);
-  int deferred = 0, r = release_impl(entry, tensor);
-  if (r == FALLBACK) {
+  int deferred = 0, r = release_impl(entry, tensor, 1);
+  if (r == DEFERRED) {
+    deferred = 1;
+    r = DONE;
+  } else if (r == FALLBACK) {
     PyObject *now = PyObject_CallMethodOneArg(entry, s_release_when_unsaved, tensor);
     if (now == NULL) {
       r = -1;
@@ -497,6 +669,214 @@ static int held_release_impl(PyObject *held_) {
 
 static PyObject *py_held_release(PyObject *mod, PyObject *held) {
   if (held_release_impl(held) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* ---- saved references ------------------------------------------------------------------------------- */
+
+/* SavedRefCounting._untrack(slot, generation, epoch), a saved reference freed by autograd, in eager production mode:
+ * DONE, or FALLBACK before any change. The last reader of a deferred slot releases it on the current stream (the
+ * backward's), joining reader marks on that same stream only (marks on another stream: Python waits on them). */
+static int untrack_impl(PyObject *ring_, PyObject *slot_, Py_ssize_t generation, Py_ssize_t epoch) {
+  if (!IS(ring_, RingType) || !IS(slot_, SlotType)) return FALLBACK;
+  Ring *ring = (Ring *)ring_;
+  Slot *slot = (Slot *)slot_;
+  if (ring->debug || ring->_phase != EAGER) return FALLBACK; /* poisoning, capture events: Python */
+  PyObject *stream = NULL, *fresh = NULL;
+  Ops *ops = NULL;
+  int r;
+  if (ring->_cuda) {
+    if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
+    ops = (Ops *)ring->_ops;
+    if ((r = current_stream(ops, &stream)) != DONE) return r;
+    if ((fresh = PyTuple_New(3)) == NULL) {
+      Py_DECREF(stream);
+      return -1;
+    }
+  }
+  Py_INCREF(ring);
+  Py_INCREF(slot);
+  if ((r = lock_try(ring)) != 1) goto out;
+  r = DONE;
+  if (epoch != ring->_epoch || slot->generation != generation || slot->saved_refs <= 0) goto unlock; /* stale */
+  if (slot->pending && slot->saved_refs == 1 && !slot->holds) { /* the last reader: released now */
+    Py_ssize_t n = 0;
+    int elided = 0;
+    if (ops != NULL) {
+      if (slot->marks == NULL || !PyList_CheckExact(slot->marks) || ring->_spare_events == NULL ||
+          !PyList_CheckExact(ring->_spare_events) || slot->eager_event == NULL) {
+        r = FALLBACK;
+        goto unlock;
+      }
+      n = PyList_GET_SIZE(slot->marks);
+      for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(slot->marks, i);
+        if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 3 || PyTuple_GET_ITEM(m, 0) != stream) {
+          r = FALLBACK; /* a reader on another stream to wait for (maybe to record first): Python */
+          goto unlock;
+        }
+      }
+      elided = slot->made_on == stream && ring->_elide;
+      if (!elided && ops->record == NULL) {
+        r = FALLBACK;
+        goto unlock;
+      }
+    }
+    slot->saved_refs -= 1;
+    if (ops != NULL) {
+      for (Py_ssize_t i = 0; i < n; i++) /* same stream: ordered by it; the events go back to the spares */
+        if (PyList_Append(ring->_spare_events, PyTuple_GET_ITEM(PyList_GET_ITEM(slot->marks, i), 1)) < 0) {
+          r = -1;
+          goto unlock;
+        }
+      if (PyList_SetSlice(slot->marks, 0, n, NULL) < 0) {
+        r = -1;
+        goto unlock;
+      }
+      if (!elided && record(ops, slot->eager_event, stream) < 0) { /* before the slot reads as free */
+        r = -1;
+        goto unlock;
+      }
+      put(&slot->wait_on, slot->eager_event);
+      put(&slot->wait_stream, stream);
+      slot->late = (char)elided;
+      if (elided) ring->_deferred_elided += 1;
+    }
+    slot->pending = 0;
+    put(&slot->live, Py_None); /* last: acquire (no lock) sees the event before the free slot */
+    ring->_deferred_freed += 1;
+  } else {
+    int plan = MARK_NONE;
+    if (ops != NULL && (plan = mark_plan(ring, slot, stream, ops)) <= 0) {
+      r = plan;
+      goto unlock;
+    }
+    slot->saved_refs -= 1;
+    if (ops != NULL && mark_apply(ring, slot, ops, plan, stream, fresh) < 0) r = -1;
+  }
+unlock:
+  if (lock_give(ring) < 0) r = -1;
+out:
+  Py_DECREF(ring);
+  Py_DECREF(slot);
+  Py_XDECREF(stream);
+  Py_XDECREF(fresh);
+  return r;
+}
+
+static PyObject *py_untrack(PyObject *mod, PyObject *args) {
+  PyObject *ring, *slot;
+  Py_ssize_t generation, epoch;
+  if (!PyArg_ParseTuple(args, "OOnn", &ring, &slot, &generation, &epoch)) return NULL;
+  int r = untrack_impl(ring, slot, generation, epoch);
+  if (r < 0) return NULL;
+  if (r == FALLBACK) Py_RETURN_NONE;
+  Py_RETURN_TRUE;
+}
+
+static PyTypeObject *SAVED_CLS = NULL; /* tracking._SavedRef: what the C pack makes (saved_ref_class) */
+
+/* SavedRefCounting._track(tensor, storage, strict=False) for a ring of one storage, production mode: DONE (*out: a
+ * counted reference, or the tensor itself for a free slot), or FALLBACK before any change */
+static int track_impl(PyObject *ring_, PyObject *tensor, PyObject *storage, PyObject **out) {
+  if (SAVED_CLS == NULL || !IS(ring_, RingType)) return FALLBACK;
+  Ring *ring = (Ring *)ring_;
+  if (ring->debug || ring->_slot_map == NULL || !PyDict_CheckExact(ring->_slot_map) || ring->_slots == NULL ||
+      !PyList_CheckExact(ring->_slots))
+    return FALLBACK;
+  PyObject *where = PyDict_GetItemWithError(ring->_slot_map, storage);
+  if (where == NULL) return PyErr_Occurred() ? -1 : FALLBACK;
+  if (!PyTuple_CheckExact(where) || PyTuple_GET_SIZE(where) != 2) return FALLBACK;
+  Py_ssize_t first = PyLong_AsSsize_t(PyTuple_GET_ITEM(where, 0)), count = PyLong_AsSsize_t(PyTuple_GET_ITEM(where, 1));
+  if (PyErr_Occurred()) return -1;
+  if (count != 1 || first < 0 || first >= PyList_GET_SIZE(ring->_slots)) return FALLBACK; /* a grown ring: Python */
+  PyObject *slot_ = PyList_GET_ITEM(ring->_slots, first);
+  if (!IS(slot_, SlotType)) return FALLBACK;
+  Slot *slot = (Slot *)Py_NewRef(slot_);
+  SavedRef *ref = (SavedRef *)SAVED_CLS->tp_alloc(SAVED_CLS, 0); /* before the lock: the collector may run here */
+  int r = ref == NULL ? -1 : lock_try(ring);
+  if (r != 1) {
+    Py_XDECREF(ref); /* unfilled: its finalizer does nothing */
+    Py_DECREF(slot);
+    return r;
+  }
+  if (slot->live == Py_None) { /* a free slot (non-strict): the tensor itself, as Python */
+    *out = Py_NewRef(tensor);
+    Py_DECREF(ref);
+    Py_DECREF(slot);
+  } else {
+    slot->saved_refs += 1;
+    ref->tensor = Py_NewRef(tensor);
+    ref->ring = Py_NewRef(ring_);
+    ref->generation = slot->generation;
+    ref->epoch = ring->_epoch;
+    ref->slot = (PyObject *)slot; /* our reference */
+    *out = (PyObject *)ref;
+  }
+  if (lock_give(ring) < 0) {
+    Py_CLEAR(*out);
+    return -1;
+  }
+  return DONE;
+}
+
+/* a freed saved reference counts down (the deferred release when it was the last reader): _SavedRef.__del__ */
+static void saved_ref_finalize(PyObject *self_) {
+  SavedRef *self = (SavedRef *)self_;
+  if (self->ring == NULL || self->ring == Py_None || self->slot == NULL) return;
+  PyObject *exc = PyErr_GetRaisedException();
+  PyObject *ring = Py_NewRef(self->ring), *slot = Py_NewRef(self->slot);
+  int r = untrack_impl(ring, slot, self->generation, self->epoch);
+  if (r == FALLBACK) {
+    PyObject *g = PyLong_FromSsize_t(self->generation), *e = PyLong_FromSsize_t(self->epoch);
+    PyObject *res = g && e ? PyObject_CallMethodObjArgs(ring, s__untrack, slot, g, e, NULL) : NULL;
+    Py_XDECREF(g);
+    Py_XDECREF(e);
+    r = res == NULL ? -1 : DONE;
+    Py_XDECREF(res);
+  }
+  if (r < 0) PyErr_WriteUnraisable(self_);
+  Py_DECREF(ring);
+  Py_DECREF(slot);
+  PyErr_SetRaisedException(exc);
+}
+
+static void saved_ref_dealloc(PyObject *self) {
+  if (PyObject_CallFinalizerFromDealloc(self) < 0) return; /* resurrected by the finalizer */
+  state_dealloc(self);
+}
+
+static PyTypeObject SavedRefType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.SavedRef",
+    .tp_basicsize = sizeof(SavedRef),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = state_traverse,
+    .tp_clear = state_clear,
+    .tp_dealloc = saved_ref_dealloc,
+    .tp_finalize = saved_ref_finalize,
+    .tp_members = saved_ref_members,
+    .tp_doc = "A saved reference's fields and its release when freed (base of tracking._SavedRef)",
+};
+
+/* the unpack hook: a counted reference gives its tensor back (Python's unpack raises for a reacquired slot) */
+static PyObject *py_unpack(PyObject *mod, PyObject *packed) {
+  if (IS(packed, SavedRefType)) {
+    SavedRef *ref = (SavedRef *)packed;
+    if (ref->tensor != NULL && ref->slot != NULL && IS(ref->slot, SlotType) &&
+        ((Slot *)ref->slot)->generation == ref->generation)
+      return Py_NewRef(ref->tensor);
+    return PyObject_CallMethodNoArgs(packed, s_unpack);
+  }
+  return Py_NewRef(packed);
+}
+
+static PyObject *py_saved_ref_class(PyObject *mod, PyObject *cls) {
+  if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &SavedRefType)) {
+    PyErr_SetString(PyExc_TypeError, "saved_ref_class: a subclass of _hotpath.SavedRef");
+    return NULL;
+  }
+  Py_XSETREF(SAVED_CLS, (PyTypeObject *)Py_NewRef(cls));
   Py_RETURN_NONE;
 }
 
@@ -568,7 +948,14 @@ static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf
     if ((first == -1 || end == -1) && PyErr_Occurred()) return NULL;
     if (first <= ptr && ptr < end) {
       PyObject *ring = Py_NewRef(PyTuple_GET_ITEM(span, 2)), *storage = Py_NewRef(PyTuple_GET_ITEM(span, 3));
-      PyObject *out = PyObject_CallMethodObjArgs(ring, s__track, tensor, storage, self->strict, NULL);
+      PyObject *out = NULL;
+      int r = self->strict == Py_False ? track_impl(ring, tensor, storage, &out) : FALLBACK; /* strict: Python */
+      if (r != FALLBACK) {
+        Py_DECREF(ring);
+        Py_DECREF(storage);
+        return r < 0 ? NULL : out;
+      }
+      out = PyObject_CallMethodObjArgs(ring, s__track, tensor, storage, self->strict, NULL);
       Py_DECREF(ring);
       Py_DECREF(storage);
       return out;
@@ -992,7 +1379,13 @@ static PyMethodDef methods[] = {
      "acquire(ring, shape): the acquisition, or None where BufferRing.acquire must run"},
     {"release", (PyCFunction)(void (*)(void))py_release, METH_FASTCALL,
      "release(ring, tensor): True (released now), or None where release_when_unsaved must run"},
+    {"release_when_unsaved", (PyCFunction)(void (*)(void))py_release_when_unsaved, METH_FASTCALL,
+     "release_when_unsaved(ring, tensor): True (released now), False (deferred), or None where the method must run"},
     {"held_release", py_held_release, METH_O, "held_release(held): Held.release()"},
+    {"untrack", py_untrack, METH_VARARGS,
+     "untrack(ring, slot, generation, epoch): True, or None where SavedRefCounting._untrack must run"},
+    {"unpack", py_unpack, METH_O, "unpack(packed): the saved-tensor unpack hook"},
+    {"saved_ref_class", py_saved_ref_class, METH_O, "saved_ref_class(cls): the class the C pack makes (once)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1006,7 +1399,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
   if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
   if (PyType_Ready(&PackType) < 0 || PyType_Ready(&AfterStageType) < 0 || PyType_Ready(&IntoRingType) < 0 ||
       PyType_Ready(&SlotType) < 0 || PyType_Ready(&OpsType) < 0 || PyType_Ready(&RingType) < 0 ||
-      PyType_Ready(&HeldType) < 0 || PyType_Ready(&RouteType) < 0 || PyType_Ready(&TrackerType) < 0)
+      PyType_Ready(&HeldType) < 0 || PyType_Ready(&RouteType) < 0 || PyType_Ready(&TrackerType) < 0 ||
+      PyType_Ready(&SavedRefType) < 0)
     return NULL;
   PyObject *m = PyModule_Create(&moduledef);
   if (m == NULL) return NULL;
@@ -1018,7 +1412,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
       PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0 ||
       PyModule_AddObjectRef(m, "Held", (PyObject *)&HeldType) < 0 ||
       PyModule_AddObjectRef(m, "Route", (PyObject *)&RouteType) < 0 ||
-      PyModule_AddObjectRef(m, "Tracker", (PyObject *)&TrackerType) < 0) {
+      PyModule_AddObjectRef(m, "Tracker", (PyObject *)&TrackerType) < 0 ||
+      PyModule_AddObjectRef(m, "SavedRef", (PyObject *)&SavedRefType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

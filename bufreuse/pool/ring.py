@@ -322,8 +322,10 @@ class BufferRing(*_RING_BASES):
             DoubleReleaseError, ForeignTensorError, StaleAliasError: wrong tensor (before any GPU work).
         """
         hot = self._hot
-        if hot is not None and stream is None and hot.release(self, tensor):
-            return True  # released now by the C path (None: anything else, handled below)
+        if hot is not None and stream is None:
+            now = hot.release_when_unsaved(self, tensor)
+            if now is not None:
+                return now  # released now or deferred by the C path (None: anything else, handled below)
         slot = self._by_id.pop(id(tensor), None)
         if slot is None:
             self._release_other(tensor, stream)

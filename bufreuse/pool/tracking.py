@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bufreuse.native import hotpath as native_hotpath
 from bufreuse.native import native_base
 from bufreuse.pool._device import saved_hooks_push_pop
 from bufreuse.pool._state import Phase, StorageIndex
@@ -45,10 +46,17 @@ if TYPE_CHECKING:
 __all__ = ["Hold", "SavedRefCounting", "SavedTracker", "track_saved"]
 
 
-class _SavedRef:
-    """One autograd-saved reference to a held slot; freeing it (autograd drops it) counts it down."""
+_SAVED_REF_BASE = native_base("SavedRef")
 
-    __slots__ = ("epoch", "generation", "ring", "slot", "tensor")
+
+class _SavedRef(_SAVED_REF_BASE):
+    """One autograd-saved reference to a held slot; freeing it (autograd drops it) counts it down.
+
+    Where the C hot path builds, its fields are the C struct's and freeing it runs the C finalizer (the same
+    steps as ``__del__`` below, which falls back to ``_untrack`` for the rest); the C pack makes these directly.
+    """
+
+    __slots__ = () if _SAVED_REF_BASE is not object else ("epoch", "generation", "ring", "slot", "tensor")
 
     def __init__(self, tensor: torch.Tensor, ring: BufferRing, slot: _Slot, epoch: int) -> None:
         self.tensor = tensor
@@ -68,10 +76,12 @@ class _SavedRef:
             )
         return self.tensor
 
-    def __del__(self) -> None:
-        ring = self.ring
-        if ring is not None:
-            ring._untrack(self.slot, self.generation, self.epoch)
+    if _SAVED_REF_BASE is object:
+
+        def __del__(self) -> None:
+            ring = self.ring
+            if ring is not None:
+                ring._untrack(self.slot, self.generation, self.epoch)
 
 
 class Hold:
@@ -263,7 +273,7 @@ class SavedTracker(_TRACKER_BASE):
 
 
 def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool, hotpath: Any = None) -> tuple[Any, Any]:
-    """The hooks' pair; ``hotpath`` (:mod:`bufreuse.native`): the same pack in C over a ``StorageIndex``."""
+    """The hooks' pair; ``hotpath`` (:mod:`bufreuse.native`): the same pair in C over a ``StorageIndex``."""
     spans = registry.spans if isinstance(registry, StorageIndex) else None
 
     def pack(tensor: torch.Tensor) -> Any:
@@ -277,7 +287,7 @@ def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool, hotpath: Any 
         return tensor
 
     if spans is not None and hotpath is not None:
-        pack = hotpath.Pack(spans, strict)
+        return hotpath.Pack(spans, strict), hotpath.unpack  # the C unpack: Python's for the error it raises
 
     if spans is None:  # a plain mapping: look the storage pointer up
         get = registry.get
@@ -314,3 +324,7 @@ def track_saved(registry: Mapping[int, BufferRing], *, strict: bool = False) -> 
             acquired again since the save.
     """
     return SavedTracker(registry, strict=strict)
+
+
+if _SAVED_REF_BASE is not object:
+    native_hotpath().saved_ref_class(_SavedRef)  # what the C pack makes
