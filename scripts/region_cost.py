@@ -8,12 +8,20 @@ the routing probabilities, an ``index_add`` into the output), so small that the 
 - ``plain``: the stage, no region;
 - ``identity hooks``: inside ``torch.autograd.graph.saved_tensors_hooks`` with identity pack / unpack (torch's
   cost of a region, and of calling Python per saved tensor);
-- ``pool tracker``: inside ``BufferPool.track_saved()`` (the hot path's region, C pack where it builds).
+- ``pool tracker``: inside ``BufferPool.track_saved()`` (the hot path's region, C pack where it builds);
+- ``alloc``: the control of a ring, the stage on a fresh ``torch.empty`` (the allocation a ring replaces) instead
+  of the input that requires grad: the product saves it for the probabilities' gradient;
+- ``ring, deferred``: the same stage on a ring slot instead, the whole release-by-fact cycle that the combine stage
+  of a hooked layer runs: acquire, the stage inside the pool's region (the slot saved: a counted reference),
+  ``release_when_unsaved`` (deferred), backward (unpack; the freed reference releases the slot). Its difference is
+  to ``alloc``. Run once more with ``BUFREUSE_NATIVE=0`` for the Python hot path's figure.
 
-Blocks of ``--calls`` forward + backward calls, the three arms in A B C / C B A order over ``--blocks`` blocks; per
-block the median call; each arm's difference to ``plain`` per block, the mean with a 95% t interval.
+Blocks of ``--calls`` forward + backward calls, the arms in order and reversed in turn (A B C D E / E D C B A) over
+``--blocks`` blocks; per block the median call; each arm's difference to its baseline per block, the mean with a 95%
+t interval.
 
     python3 scripts/region_cost.py [--device cpu] [--blocks 12] [--calls 2000] [--json out.json]
+    BUFREUSE_NATIVE=0 python3 scripts/region_cost.py ...   # the Python hot path
 """
 
 from __future__ import annotations
@@ -49,11 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
     probs = torch.rand(tokens, 1, device=device, requires_grad=True)
     index = torch.arange(tokens, device=device)
-    tracker = BufferPool(device, debug=False).track_saved()
+    tracker = BufferPool(device, debug=False).track_saved()  # a pool without rings: no span to test per tensor
+    pool = BufferPool(device, debug=False)  # the ring arm's own
+    pool.register("fc2", policy="ring", num_slots=2, max_shape=(tokens, hidden), dtype=x.dtype)
     packed = [0]
 
-    def stage() -> torch.Tensor:
-        return torch.zeros(tokens, hidden, device=device).index_add(0, index, x * probs)
+    def stage(inp: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.zeros(tokens, hidden, device=device).index_add(0, index, (x if inp is None else inp) * probs)
+
+    def alloc() -> torch.Tensor:
+        return stage(torch.empty(tokens, hidden, device=device))
+
+    def ring() -> torch.Tensor:
+        slot = pool.acquire("fc2", (tokens, hidden))
+        with pool.track_saved():
+            out = stage(slot)
+        pool.release_when_unsaved("fc2", slot)
+        return out
 
     def identity(t: torch.Tensor) -> torch.Tensor:
         packed[0] += 1
@@ -67,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         with tracker:
             return stage()
 
-    arms = {"plain": stage, "identity hooks": hooks, "pool tracker": tracked}
+    arms = {"plain": stage, "identity hooks": hooks, "pool tracker": tracked, "alloc": alloc, "ring, deferred": ring}
+    baseline = {"identity hooks": "plain", "pool tracker": "plain", "ring, deferred": "alloc"}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def block(fn, n: int) -> tuple[float, float]:
@@ -95,21 +116,36 @@ def main(argv: list[str] | None = None) -> int:
         names = list(arms) if k % 2 == 0 else list(reversed(arms))
         for name in names:
             per[name].append(block(arms[name], a.calls))
-    result = {"device": str(device), "torch": torch.__version__, "saved_tensors_per_call": saved, "arms": {}}
+    ring_stats = pool.get("fc2").stats
+    if ring_stats.deferred_releases == 0 or pool.get("fc2").held:
+        print("region_cost: the ring arm did not defer its releases, or left a slot held", file=sys.stderr)
+        return 1
+    result = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "c_hot_path": pool.hotpath is not None,
+        "saved_tensors_per_call": saved,
+        "deferred_releases": ring_stats.deferred_releases,
+        "arms": {},
+    }
     for name in arms:
         row = {"fwd_us": statistics.fmean(r[0] for r in per[name]), "bwd_us": statistics.fmean(r[1] for r in per[name])}
-        if name != "plain":
+        if name in baseline:
+            row["baseline"] = baseline[name]
             for i, part in enumerate(("fwd", "bwd")):
-                diffs = [r[i] - p[i] for r, p in zip(per[name], per["plain"], strict=True)]
+                diffs = [r[i] - p[i] for r, p in zip(per[name], per[baseline[name]], strict=True)]
                 lo, hi = mean_diff_interval([0.0] * len(diffs), diffs)
                 row[f"{part}_added_us"], row[f"{part}_ci_us"] = statistics.fmean(diffs), [lo, hi]
         result["arms"][name] = row
-    print(f"{a.blocks} blocks of {a.calls} calls, {saved} saved tensors per call, {device}, torch {torch.__version__}")
+    print(
+        f"{a.blocks} blocks of {a.calls} calls, {saved} saved tensors per call, {device}, torch {torch.__version__}, "
+        f"C hot path {'on' if result['c_hot_path'] else 'off'}"
+    )
     for name, row in result["arms"].items():
         line = f"  {name:15s} fwd {row['fwd_us']:6.1f} µs  bwd {row['bwd_us']:6.1f} µs"
         if "fwd_added_us" in row:
-            line += "  added: fwd {:+.1f} [{:+.1f}, {:+.1f}]  bwd {:+.1f} [{:+.1f}, {:+.1f}]".format(
-                row["fwd_added_us"], *row["fwd_ci_us"], row["bwd_added_us"], *row["bwd_ci_us"]
+            line += "  added to {}: fwd {:+.1f} [{:+.1f}, {:+.1f}]  bwd {:+.1f} [{:+.1f}, {:+.1f}]".format(
+                row["baseline"], row["fwd_added_us"], *row["fwd_ci_us"], row["bwd_added_us"], *row["bwd_ci_us"]
             )
         print(line)
     if a.json:

@@ -154,6 +154,7 @@ def test_acquire_and_release_match_the_python_reference(seed: int) -> None:
     producer's stream or another: both rings end every step in the same state with the same event log."""
     rng = random.Random(seed)
     rings = {fast: _fake_cuda_ring(f"r{fast}") for fast in (False, True)}
+    rings[True][0]._hot = HOT  # as BufferPool sets it in production mode: the saved references' release in C
     held: dict[bool, list] = {False: [], True: []}
     fast_releases = fast_acquires = fast_deferrals = fast_untracks = 0
     for _ in range(80):
@@ -311,6 +312,7 @@ def test_the_deferred_paths_decline_what_python_must_do() -> None:
     import threading
 
     ring, ops, log = _fake_cuda_ring("r")
+    ring._hot = HOT
     ring._spare_events.append(_Named("s0"))
     t = ring.acquire((8, 4))
     slot = ring._slots[0]
@@ -333,14 +335,17 @@ def test_the_deferred_paths_decline_what_python_must_do() -> None:
         leave.set()
         other.join()
     assert _state(ring) == before
-    for phase_or_debug in ("phase", "debug"):
-        if phase_or_debug == "phase":
+    for case in ("phase", "debug", "python pool"):
+        if case == "phase":
             ring._phase = Phase.GRAPHED
-        else:
+        elif case == "debug":
             ring.debug = True
-        assert HOT.release_when_unsaved(ring, t) is None
+        else:
+            ring._hot = None  # BufferPool(native=False): its saved references go back through Python's _untrack
+        if case != "python pool":
+            assert HOT.release_when_unsaved(ring, t) is None
         assert HOT.untrack(ring, slot, slot.generation, ring._epoch) is None
-        ring._phase, ring.debug = Phase.EAGER, False
+        ring._phase, ring.debug, ring._hot = Phase.EAGER, False, HOT
     assert _state(ring) == before
     spare = ring._spare_events.pop()
     assert HOT.release_when_unsaved(ring, t) is None and _state(ring) == before  # no spare event: Python's
@@ -362,25 +367,29 @@ def test_autograd_frees_c_saved_references_and_the_slot_with_them() -> None:
     variable after the backward that read it, by the C finalizer (Python's ``_untrack`` not called; in debug mode,
     the positive control, it is). A reacquired slot raises at unpack, in Python's words."""
     results = {}
-    for debug in (False, True):
-        pool = BufferPool("cpu", debug=debug)
-        pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+    for mode in ("c", "debug", "native=False"):
+        pool = BufferPool("cpu", debug=mode == "debug", native=mode != "native=False")
+        pool.register("x", policy="ring", num_slots=3, max_shape=(8, 4), dtype=torch.float32)
         ring = pool.get("x")
-        calls = []
-        reference = ring._untrack
-        ring._untrack = lambda *a, calls=calls, reference=reference: (calls.append(a), reference(*a))[1]
+        calls: dict[str, int] = {"_track": 0, "_untrack": 0}
+        for name in calls:
+            reference = getattr(ring, name)
+            setattr(ring, name, lambda *a, n=name, f=reference, c=calls: (c.__setitem__(n, c[n] + 1), f(*a))[1])
         w = torch.randn(4, requires_grad=True)
-        slot = pool.acquire("x", (8, 4))
+        first = pool.acquire("x", (8, 4))
+        slot = pool.acquire("x", (8, 4))  # the storage's second slot: the pack finds it by the offset
         slot.copy_(torch.arange(32.0).view(8, 4))
         with pool.track_saved():
             out = slot[2:] * w  # saves a view of the slot for w's gradient
-        assert ring._slots[0].saved_refs == 1
-        assert pool.release_when_unsaved("x", slot) is False and ring.held == 1
+        assert [s.saved_refs for s in ring._slots] == [0, 1, 0]
+        assert pool.release_when_unsaved("x", slot) is False and ring.held == 2
         out.sum().backward()
         assert torch.equal(w.grad, torch.arange(32.0).view(8, 4)[2:].sum(0))
-        results[debug] = (ring.held, ring._slots[0].saved_refs, ring.stats.deferred_releases, len(calls))
-    assert results[False] == (0, 0, 1, 0)  # C: released, and Python's _untrack never ran
-    assert results[True] == (0, 0, 1, 1)  # positive control: debug mode goes through Python's
+        pool.release_when_unsaved("x", first)
+        results[mode] = (ring.held, ring._slots[1].saved_refs, ring.stats.deferred_releases, calls)
+    assert results["c"] == (0, 0, 1, {"_track": 0, "_untrack": 0})  # C: counted and released, no Python call
+    # positive controls: debug mode, and a pool kept on the Python path, go through Python's
+    assert results["debug"] == results["native=False"] == (0, 0, 1, {"_track": 1, "_untrack": 1})
 
     pool = BufferPool("cpu")
     pool.register("x", policy="ring", num_slots=1, max_shape=(8, 4), dtype=torch.float32)
@@ -393,12 +402,41 @@ def test_autograd_frees_c_saved_references_and_the_slot_with_them() -> None:
         out.sum().backward()
 
 
+def test_an_error_under_the_lock_is_raised_as_python_raises_it_and_the_lock_given_back() -> None:
+    """A failing event record inside the C deferral raises the record's own error (as Python's ``_mark`` does), not
+    the lock release's, and leaves the ring's lock free for other threads."""
+    import threading
+
+    errors = {}
+    for fast in (False, True):
+        ring, ops, _ = _fake_cuda_ring(f"r{fast}")
+        ring._spare_events.append(_Named("s0"))
+        ring._elide = False  # the mark is recorded now
+        t = ring.acquire((8, 4))
+        ring._slots[0].saved_refs = 1
+
+        def fail(event, stream):
+            raise RuntimeError("record failed")
+
+        ops.record = fail
+        with pytest.raises(RuntimeError, match="record failed") as caught:
+            HOT.release_when_unsaved(ring, t) if fast else ring.release_when_unsaved(t)
+        errors[fast] = type(caught.value)
+        free = []
+        other = threading.Thread(target=lambda ring=ring, free=free: free.append(ring._lock.acquire(blocking=False)))
+        other.start()
+        other.join()
+        assert free == [True]
+    assert errors[True] is errors[False] is RuntimeError
+
+
 def test_the_deferred_paths_leak_nothing() -> None:
     """Thousands of deferrals and saved-reference releases in C over two streams (marks elided and recorded, final
     releases elided and recorded): no memory retained, no reference kept on the streams or events."""
     import tracemalloc
 
     ring, ops, _ = _fake_cuda_ring("r")
+    ring._hot = HOT
     ops.record = lambda event, stream: object()  # fresh results, kept by nothing (the fake's log would grow)
     ops.wait = lambda event, stream: object()
     ring._spare_events.extend(_Named(f"s{i}") for i in range(2))

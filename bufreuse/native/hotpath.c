@@ -98,9 +98,10 @@ typedef struct {
 
 typedef struct {
   PyObject_HEAD
-  PyObject *_phase, *_slots, *_by_id, *_ops, *_fallback, *_watchdog, *max_shape, *_slot_map, *_lock, *_spare_events;
+  PyObject *_phase, *_slots, *_by_id, *_ops, *_fallback, *_watchdog, *max_shape, *_slot_map, *_lock, *_spare_events,
+      *_hot;
   Py_ssize_t _cursor, num_slots, _generation, _acquisitions, _held, _deferred_freed, _peak_held, _gpu_waits,
-      _elided, _releases, _epoch, _deferred, _marks_elided, _deferred_elided;
+      _elided, _releases, _epoch, _deferred, _marks_elided, _deferred_elided, slot_bytes;
   char debug, _cuda, _elide;
 } Ring;
 
@@ -144,7 +145,7 @@ static PyMemberDef ops_members[] = {
 static PyMemberDef ring_members[] = {
     OBJ(Ring, _phase), OBJ(Ring, _slots), OBJ(Ring, _by_id), OBJ(Ring, _ops), OBJ(Ring, _fallback),
     OBJ(Ring, _watchdog), OBJ(Ring, max_shape), OBJ(Ring, _slot_map), OBJ(Ring, _lock), OBJ(Ring, _spare_events),
-    SSZ(Ring, _cursor), SSZ(Ring, num_slots), SSZ(Ring, _generation), SSZ(Ring, _acquisitions), SSZ(Ring, _held),
+    OBJ(Ring, _hot), SSZ(Ring, slot_bytes), SSZ(Ring, _cursor), SSZ(Ring, num_slots), SSZ(Ring, _generation), SSZ(Ring, _acquisitions), SSZ(Ring, _held),
     SSZ(Ring, _deferred_freed), SSZ(Ring, _peak_held), SSZ(Ring, _gpu_waits), SSZ(Ring, _elided),
     SSZ(Ring, _releases), SSZ(Ring, _epoch), SSZ(Ring, _deferred), SSZ(Ring, _marks_elided),
     SSZ(Ring, _deferred_elided), BOOL(Ring, debug), BOOL(Ring, _cuda), BOOL(Ring, _elide), {NULL}};
@@ -281,7 +282,9 @@ static int current_stream(Ops *ops, PyObject **out) {
  * threads). The C paths take it without blocking and leave the case to Python when another thread holds it (Python
  * then waits for it); on the thread holding it already (a holder freed by the collector inside a locked section)
  * they enter, as Python's reentrant lock lets its code. Between taking and giving it back they make no
- * allocation that could run the collector and no call that could let another thread in, except where noted. */
+ * allocation that could run the collector and no call that could let another thread in, except record(): an event
+ * recorded under the lock, in the same order as Python's _mark and _record_release (torch's Event.record makes no
+ * Python object; it may let another thread run, which then finds the lock taken). */
 
 static int lock_try(Ring *ring) { /* 1: taken, 0: another thread has it, -1: error */
   if (ring->_lock == NULL) return 0;
@@ -292,10 +295,20 @@ static int lock_try(Ring *ring) { /* 1: taken, 0: another thread has it, -1: err
   return t;
 }
 
+/* gives the lock back; an error already raised stays the one raised (the release's own error chained to it) */
 static int lock_give(Ring *ring) {
+  PyObject *pending = PyErr_GetRaisedException();
   PyObject *r = PyObject_CallMethodNoArgs(ring->_lock, s_release);
-  if (r == NULL) return -1;
+  if (r == NULL) {
+    if (pending != NULL) {
+      PyObject *again = PyErr_GetRaisedException();
+      PyException_SetContext(pending, again);
+      PyErr_SetRaisedException(pending);
+    }
+    return -1;
+  }
   Py_DECREF(r);
+  PyErr_SetRaisedException(pending);
   return 0;
 }
 
@@ -681,7 +694,8 @@ static int untrack_impl(PyObject *ring_, PyObject *slot_, Py_ssize_t generation,
   if (!IS(ring_, RingType) || !IS(slot_, SlotType)) return FALLBACK;
   Ring *ring = (Ring *)ring_;
   Slot *slot = (Slot *)slot_;
-  if (ring->debug || ring->_phase != EAGER) return FALLBACK; /* poisoning, capture events: Python */
+  /* poisoning, capture events, a pool kept on the Python path (no _hot: BufferPool(native=False)): Python */
+  if (ring->debug || ring->_phase != EAGER || ring->_hot == NULL || ring->_hot == Py_None) return FALLBACK;
   PyObject *stream = NULL, *fresh = NULL;
   Ops *ops = NULL;
   int r;
@@ -778,7 +792,7 @@ static PyTypeObject *SAVED_CLS = NULL; /* tracking._SavedRef: what the C pack ma
 
 /* SavedRefCounting._track(tensor, storage, strict=False) for a ring of one storage, production mode: DONE (*out: a
  * counted reference, or the tensor itself for a free slot), or FALLBACK before any change */
-static int track_impl(PyObject *ring_, PyObject *tensor, PyObject *storage, PyObject **out) {
+static int track_impl(PyObject *ring_, PyObject *tensor, long long ptr, PyObject *storage, PyObject **out) {
   if (SAVED_CLS == NULL || !IS(ring_, RingType)) return FALLBACK;
   Ring *ring = (Ring *)ring_;
   if (ring->debug || ring->_slot_map == NULL || !PyDict_CheckExact(ring->_slot_map) || ring->_slots == NULL ||
@@ -788,9 +802,14 @@ static int track_impl(PyObject *ring_, PyObject *tensor, PyObject *storage, PyOb
   if (where == NULL) return PyErr_Occurred() ? -1 : FALLBACK;
   if (!PyTuple_CheckExact(where) || PyTuple_GET_SIZE(where) != 2) return FALLBACK;
   Py_ssize_t first = PyLong_AsSsize_t(PyTuple_GET_ITEM(where, 0)), count = PyLong_AsSsize_t(PyTuple_GET_ITEM(where, 1));
+  long long base = PyLong_AsLongLong(storage);
   if (PyErr_Occurred()) return -1;
-  if (count != 1 || first < 0 || first >= PyList_GET_SIZE(ring->_slots)) return FALLBACK; /* a grown ring: Python */
-  PyObject *slot_ = PyList_GET_ITEM(ring->_slots, first);
+  if (count < 1 || ring->slot_bytes <= 0 || ptr < base) return FALLBACK;
+  /* _slot_for: the slot the tensor starts in (its offset in the storage), the storage's last for an offset past it */
+  long long k = (ptr - base) / ring->slot_bytes;
+  Py_ssize_t index = first + (Py_ssize_t)(k < count - 1 ? k : count - 1);
+  if (first < 0 || index >= PyList_GET_SIZE(ring->_slots)) return FALLBACK;
+  PyObject *slot_ = PyList_GET_ITEM(ring->_slots, index);
   if (!IS(slot_, SlotType)) return FALLBACK;
   Slot *slot = (Slot *)Py_NewRef(slot_);
   SavedRef *ref = (SavedRef *)SAVED_CLS->tp_alloc(SAVED_CLS, 0); /* before the lock: the collector may run here */
@@ -949,7 +968,7 @@ static PyObject *pack_call(PyObject *self_, PyObject *const *args, size_t nargsf
     if (first <= ptr && ptr < end) {
       PyObject *ring = Py_NewRef(PyTuple_GET_ITEM(span, 2)), *storage = Py_NewRef(PyTuple_GET_ITEM(span, 3));
       PyObject *out = NULL;
-      int r = self->strict == Py_False ? track_impl(ring, tensor, storage, &out) : FALLBACK; /* strict: Python */
+      int r = self->strict == Py_False ? track_impl(ring, tensor, ptr, storage, &out) : FALLBACK; /* strict: Python */
       if (r != FALLBACK) {
         Py_DECREF(ring);
         Py_DECREF(storage);

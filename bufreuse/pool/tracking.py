@@ -287,7 +287,9 @@ def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool, hotpath: Any 
         return tensor
 
     if spans is not None and hotpath is not None:
-        return hotpath.Pack(spans, strict), hotpath.unpack  # the C unpack: Python's for the error it raises
+        pack = hotpath.Pack(spans, strict)
+        if _SAVED_REF_BASE is getattr(hotpath, "SavedRef", None):  # the C unpack knows this module's references
+            return pack, hotpath.unpack  # Python's unpack only for the error it raises
 
     if spans is None:  # a plain mapping: look the storage pointer up
         get = registry.get
