@@ -6,7 +6,8 @@
 #   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
 #   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8);
 #                                               # ROUNDS (10), HOOK_ROUNDS, HOOK_TIME=0, ADDED_PAIRS, STEPS, GC=manual,
-#                                               # POLICIES, PROFILE=0 (no --profile) tune it; a py- NAME
+#                                               # POLICIES, PROFILE=0 (no --profile), DISPATCH_RING=1
+#                                               # (--dispatch-ring) tune it; a py- NAME
 #                                               # runs BUFREUSE_NATIVE=0 (the Python hot path)
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
@@ -108,6 +109,7 @@ case $stage in
       [ -n "${ADDED_PAIRS:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--added-pairs "$ADDED_PAIRS")
       [ -n "${GC:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--gc "$GC")
       [ -n "${POLICIES:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--policies "$POLICIES")
+      [ "${DISPATCH_RING:-0}" = 1 ] && args+=(--dispatch-ring)
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"

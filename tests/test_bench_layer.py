@@ -103,6 +103,24 @@ def test_as_installed_arm_runs_production_at_ep_1_and_hooks_nothing() -> None:
     assert hooks["as-installed"]["entries_per_layer_call"] == 0 and hooks["as-installed"]["us"] == 0
 
 
+def test_dispatch_ring_exercises_the_dispatch_hooks_at_ep_1() -> None:
+    """``--dispatch-ring``: both rings acquire every forward, the dispatch path's stages are entry points of the
+    added time and hooks of the hook clock; without it (the positive control above) only the FC2 ring is hooked."""
+    result = runner.invoke(
+        app, ["bench", "layer", *FAST, "--policies", "ring", "--dispatch-ring", "--added-pairs", "8", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    per_round = (STEPS + 1) * MB
+    ring = [r for r in data["rounds"] if r["arm"] == "ring"]
+    assert all(r["acquisitions"] == {"dispatch_output": per_round, "expert_fc2_output": per_round} for r in ring)
+    assert data["config"]["dispatch_ring"] is True
+    points = data["added_time"]["arms"]["ring"]["entry_points"]
+    assert {"MoEAlltoAllTokenDispatcher.token_dispatch", "MoELayer.routed_experts_compute"} <= set(points)
+    hooks = {h["hook"] for h in data["hook_time"]["arms"]["ring"]["by_hook"]}
+    assert any("token_dispatch" in h for h in hooks) and any("RingAllToAll.backward" in h for h in hooks)
+
+
 def test_ratios_and_verdicts_follow_from_the_rounds(json_run) -> None:
     data, _ = json_run
     measured = [r for r in data["rounds"] if not r["warmup"]]

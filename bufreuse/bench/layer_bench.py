@@ -136,6 +136,11 @@ class LayerBenchConfig:
     added_pairs: int = 64
     """Control / arm schedule pairs per hooked arm for ``added_time`` (A B B A); a multiple of 4, >= 8 for an
     interval (over A B B A groups)."""
+    dispatch_ring: bool = False
+    """Also exercise the dispatch ring at EP = 1 (``install(ring_identity_dispatch=True)``), as where it is used
+    (EP > 1): its hooks' host time joins the expert ring's. At EP = 1 the ring's all-to-all is one copy into the slot
+    that the control does not make (the upstream all-to-all returns its input); at EP > 1 both arms write the
+    all-to-all's output, the control into a fresh allocation."""
     gc: str = "auto"
     """``auto`` (Python's cyclic collector runs when its thresholds say, inside whatever code is running) or
     ``manual`` (as Megatron-LM's ``--manual-gc``, which large MoE recipes use: collected before each round, disabled
@@ -416,6 +421,7 @@ def _installed(
             num_microbatches=cfg.microbatches,
             # EP x ETP = 1 leaves the expert ring unused: measure it as where it is used, but as-installed
             ring_single_rank_expert=arm != AS_INSTALLED,
+            ring_identity_dispatch=cfg.dispatch_ring and arm != AS_INSTALLED,
         )
     try:
         yield inst

@@ -163,6 +163,14 @@ def layer(
     added_pairs: Annotated[
         int, typer.Option(help="Schedule pairs per hooked arm for --added-time (A B B A; a multiple of 4).")
     ] = 64,
+    dispatch_ring: Annotated[
+        bool,
+        typer.Option(
+            "--dispatch-ring",
+            help="Also exercise the dispatch ring at EP = 1, as where it is used (EP > 1): its hooks join the "
+            "figures (at EP = 1 its all-to-all is one copy the control does not make).",
+        ),
+    ] = False,
     gc_mode: Annotated[
         str,
         typer.Option(
@@ -202,6 +210,7 @@ def layer(
         hook_rounds=hook_rounds,
         added_time=added_time,
         added_pairs=added_pairs,
+        dispatch_ring=dispatch_ring,
         gc=gc_mode,
     )
     # --profile: no refresh thread (on Python >= 3.12 cProfile counts every thread's calls)
