@@ -628,6 +628,8 @@ def test_the_te_module_route_is_the_same_in_c(native: bool) -> None:
         fc2(hidden.double(), splits)
     with pytest.raises(ConfigError, match="out="):
         fc2._bufreuse_shim.forward(fc2, hidden, splits, out=torch.empty(TOKENS, 8))
+    with pytest.raises(IndexError):  # a 0-d input: its shape[0] raises, in C as in Python, before any acquisition
+        fc2._bufreuse_shim.forward(fc2, torch.tensor(1.0), splits)
     assert pool.get(name).held == 0 and not got
     ring = pool.get(name)
     for _ in range(3):

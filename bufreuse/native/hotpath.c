@@ -68,7 +68,8 @@ static PyObject *EAGER = NULL;     /* bufreuse.pool._state.Phase.EAGER */
 /* torch.Tensor and collections.deque, and their descriptors, looked up once (configure): a call on an object of
  * exactly that type goes to the descriptor, with no attribute lookup on the type (cold on a busy host) */
 static PyTypeObject *TENSOR = NULL, *DEQUE = NULL;
-static PyObject *T_DATA_PTR = NULL, *T_DETACH = NULL, *T_DTYPE = NULL, *D_POPLEFT = NULL, *D_APPEND = NULL;
+static PyObject *T_DATA_PTR = NULL, *T_DETACH = NULL, *T_DTYPE = NULL, *T_SHAPE = NULL, *D_POPLEFT = NULL,
+                *D_APPEND = NULL;
 static PyObject *EMPTY = NULL;     /* () */
 
 #define NAMES(X) X(data_ptr) X(detach) X(_track) X(_untrack) X(release_when_unsaved) X(release) X(out) X(popleft) \
@@ -1237,16 +1238,16 @@ static PyObject *into_call(PyObject *self_, PyObject *const *args, size_t nargsf
     r = dtype == route->dtype;
     Py_DECREF(dtype);
     if (!r) goto slow; /* a dtype refusal: Python's words */
-    PyObject *r0;
-    if (Py_TYPE(inp) == TENSOR && PyObject_Size(inp) >= 0) { /* len(tensor): its first dimension, no torch.Size */
-      r0 = PyLong_FromSsize_t(PyObject_Size(inp));
-    } else {
-      PyErr_Clear(); /* a 0-d tensor has no len(): shape[0] raises as Python's would */
-      PyObject *ishape = PyObject_GetAttr(inp, s_shape);
-      if (ishape == NULL) goto done;
-      r0 = PySequence_GetItem(ishape, 0);
-      Py_DECREF(ishape);
-    }
+    /* inp.shape[0] through the getter (not len(tensor): Tensor.__len__ is Python code that reads shape[0]) */
+    PyObject *r0, *ishape = T_SHAPE != NULL && Py_TYPE(inp) == TENSOR
+                                ? Py_TYPE(T_SHAPE)->tp_descr_get(T_SHAPE, inp, (PyObject *)TENSOR)
+                                : PyObject_GetAttr(inp, s_shape);
+    if (ishape == NULL) goto done;
+    if (PyTuple_Check(ishape) && PyTuple_GET_SIZE(ishape) > 0)
+      r0 = Py_NewRef(PyTuple_GET_ITEM(ishape, 0));
+    else
+      r0 = PySequence_GetItem(ishape, 0); /* a 0-d tensor: IndexError, as Python's shape[0] */
+    Py_DECREF(ishape);
     if (r0 == NULL) goto done;
     rows = PyLong_AsSsize_t(r0);
     PyObject *cols = PyLong_FromSsize_t(route->cols);
@@ -1370,12 +1371,14 @@ static PyObject *py_configure(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OO!O!", &eager, &PyType_Type, &tensor, &PyType_Type, &deque)) return NULL;
   PyObject *data_ptr = PyObject_GetAttr(tensor, s_data_ptr), *detach = PyObject_GetAttr(tensor, s_detach);
   PyObject *dtype = PyObject_GetAttr(tensor, s_dtype); /* on the class: the getset descriptor itself */
+  PyObject *shape = PyObject_GetAttr(tensor, s_shape);
   PyObject *popleft = PyObject_GetAttr(deque, s_popleft), *append = PyObject_GetAttr(deque, s_append);
   if (data_ptr == NULL || detach == NULL || popleft == NULL || append == NULL || dtype == NULL ||
-      Py_TYPE(dtype)->tp_descr_get == NULL) {
+      Py_TYPE(dtype)->tp_descr_get == NULL || shape == NULL || Py_TYPE(shape)->tp_descr_get == NULL) {
     Py_XDECREF(data_ptr);
     Py_XDECREF(detach);
     Py_XDECREF(dtype);
+    Py_XDECREF(shape);
     Py_XDECREF(popleft);
     Py_XDECREF(append);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "configure: not torch.Tensor / collections.deque");
@@ -1387,6 +1390,7 @@ static PyObject *py_configure(PyObject *mod, PyObject *args) {
   Py_XSETREF(T_DATA_PTR, data_ptr);
   Py_XSETREF(T_DETACH, detach);
   Py_XSETREF(T_DTYPE, dtype);
+  Py_XSETREF(T_SHAPE, shape);
   Py_XSETREF(D_POPLEFT, popleft);
   Py_XSETREF(D_APPEND, append);
   Py_RETURN_NONE;
