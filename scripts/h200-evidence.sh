@@ -109,7 +109,7 @@ case $stage in
       [ -n "${ADDED_PAIRS:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--added-pairs "$ADDED_PAIRS")
       [ -n "${GC:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--gc "$GC")
       [ -n "${POLICIES:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--policies "$POLICIES")
-      [ "${DISPATCH_RING:-0}" = 1 ] && args+=(--dispatch-ring)
+      [ "${DISPATCH_RING:-0}" = 1 ] && [[ $arg != old-* ]] && args+=(--dispatch-ring)  # old checkouts lack it
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"

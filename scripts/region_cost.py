@@ -1,4 +1,4 @@
-"""What a saved-tensor region costs autograd, apart from bufreuse's pack / unpack code (CPU or CUDA, host µs).
+"""What a saved-tensor region costs autograd, and what a ring's release-by-fact cycle costs beyond it (host µs).
 
 The added-time A/B on the H200 charges the combine stage about twice the hooks' own time there; the rest was
 thought to be torch's side of the region the stage opens (autograd calling Python for each saved tensor, at
@@ -11,12 +11,15 @@ the routing probabilities, an ``index_add`` into the output), so small that the 
 - ``pool tracker``: inside ``BufferPool.track_saved()`` (the hot path's region, C pack where it builds);
 - ``alloc``: the control of a ring, the stage on a fresh ``torch.empty`` (the allocation a ring replaces) instead
   of the input that requires grad: the product saves it for the probabilities' gradient;
-- ``ring, deferred``: the same stage on a ring slot instead, the whole release-by-fact cycle that the combine stage
-  of a hooked layer runs: acquire, the stage inside the pool's region (the slot saved: a counted reference),
+- ``alloc, identity hooks``: ``alloc`` inside identity pack / unpack: torch's cost of a region around that stage
+  (its saved tensors), the part of the next arm that is not the pool's;
+- ``ring, deferred``: the same stage on a ring slot instead, the whole release-by-fact cycle of a hooked stage
+  whose slot is saved: acquire, the stage inside the pool's region (the slot saved: a counted reference),
   ``release_when_unsaved`` (deferred), backward (unpack; the freed reference releases the slot). Its difference is
-  to ``alloc``. Run once more with ``BUFREUSE_NATIVE=0`` for the Python hot path's figure.
+  to ``alloc`` (the JSON also gives it to ``alloc, identity hooks``: the pool's own work). Run once more with
+  ``BUFREUSE_NATIVE=0`` for the Python hot path's figure.
 
-Blocks of ``--calls`` forward + backward calls, the arms in order and reversed in turn (A B C D E / E D C B A) over
+Blocks of ``--calls`` forward + backward calls, the arms in order and reversed in turn (A B C ... / ... C B A) over
 ``--blocks`` blocks; per block the median call; each arm's difference to its baseline per block, the mean with a 95%
 t interval.
 
@@ -83,12 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         with torch.autograd.graph.saved_tensors_hooks(identity, lambda t: t):
             return stage()
 
+    def alloc_hooks() -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(identity, lambda t: t):
+            return alloc()
+
     def tracked() -> torch.Tensor:
         with tracker:
             return stage()
 
-    arms = {"plain": stage, "identity hooks": hooks, "pool tracker": tracked, "alloc": alloc, "ring, deferred": ring}
-    baseline = {"identity hooks": "plain", "pool tracker": "plain", "ring, deferred": "alloc"}
+    arms = {
+        "plain": stage,
+        "identity hooks": hooks,
+        "pool tracker": tracked,
+        "alloc": alloc,
+        "alloc, identity hooks": alloc_hooks,
+        "ring, deferred": ring,
+    }
+    baseline = {
+        "identity hooks": "plain",
+        "pool tracker": "plain",
+        "alloc, identity hooks": "alloc",
+        "ring, deferred": "alloc",
+    }
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def block(fn, n: int) -> tuple[float, float]:
@@ -111,25 +130,38 @@ def main(argv: list[str] | None = None) -> int:
     packed[0] = 0
     hooks()
     saved = packed[0]
+    packed[0] = 0
+    alloc_hooks()
+    saved_ring_stage = packed[0]
+    deferred_before = pool.get("fc2").stats.deferred_releases
     per: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
     for k in range(a.blocks):
         names = list(arms) if k % 2 == 0 else list(reversed(arms))
         for name in names:
             per[name].append(block(arms[name], a.calls))
     ring_stats = pool.get("fc2").stats
-    if ring_stats.deferred_releases == 0 or pool.get("fc2").held:
-        print("region_cost: the ring arm did not defer its releases, or left a slot held", file=sys.stderr)
+    if ring_stats.deferred_releases - deferred_before != a.blocks * a.calls or pool.get("fc2").held:
+        print("region_cost: a ring call was not deferred (its slot not saved), or a slot stayed held", file=sys.stderr)
         return 1
+    import bufreuse
+
     result = {
         "device": str(device),
         "torch": torch.__version__,
+        "bufreuse": _code_of(bufreuse.__file__),
         "c_hot_path": pool.hotpath is not None,
         "saved_tensors_per_call": saved,
+        "saved_tensors_per_ring_stage_call": saved_ring_stage,
         "deferred_releases": ring_stats.deferred_releases,
         "arms": {},
     }
     for name in arms:
         row = {"fwd_us": statistics.fmean(r[0] for r in per[name]), "bwd_us": statistics.fmean(r[1] for r in per[name])}
+        if name == "ring, deferred":  # the pool's own work: beyond torch's cost of a region around the same stage
+            for i, part in enumerate(("fwd", "bwd")):
+                diffs = [r[i] - p[i] for r, p in zip(per[name], per["alloc, identity hooks"], strict=True)]
+                lo, hi = mean_diff_interval([0.0] * len(diffs), diffs)
+                row[f"{part}_beyond_region_us"], row[f"{part}_beyond_region_ci_us"] = statistics.fmean(diffs), [lo, hi]
         if name in baseline:
             row["baseline"] = baseline[name]
             for i, part in enumerate(("fwd", "bwd")):
@@ -147,11 +179,29 @@ def main(argv: list[str] | None = None) -> int:
             line += "  added to {}: fwd {:+.1f} [{:+.1f}, {:+.1f}]  bwd {:+.1f} [{:+.1f}, {:+.1f}]".format(
                 row["baseline"], row["fwd_added_us"], *row["fwd_ci_us"], row["bwd_added_us"], *row["bwd_ci_us"]
             )
+        if "fwd_beyond_region_us" in row:
+            line += "\n  {:15s} beyond a region around the same stage: fwd {:+.1f} [{:+.1f}, {:+.1f}]".format(
+                "", row["fwd_beyond_region_us"], *row["fwd_beyond_region_ci_us"]
+            ) + "  bwd {:+.1f} [{:+.1f}, {:+.1f}]".format(row["bwd_beyond_region_us"], *row["bwd_beyond_region_ci_us"])
         print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def _code_of(path: str) -> dict[str, str | None]:
+    """Which bufreuse ran: its folder and, when that is a git checkout, the commit (old / new runs side by side)."""
+    import os
+    import subprocess
+
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        done = subprocess.run(["git", "-C", folder, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        commit = done.stdout.strip() if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"path": folder, "commit": commit}
 
 
 if __name__ == "__main__":

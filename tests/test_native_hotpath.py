@@ -607,7 +607,7 @@ def test_the_te_module_route_is_the_same_in_c(native: bool) -> None:
     from bufreuse.config import BufReuseConfig
     from bufreuse.errors import ConfigError
     from bufreuse.integrations.core import Installation
-    from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
+    from bufreuse.integrations.te.out_route import ROUTE, Fc2Route, route_into_ring
     from bufreuse.pool import StaticShapeError
 
     hidden, splits, name, _, fc2, ref = _fc2_case()
@@ -631,6 +631,19 @@ def test_the_te_module_route_is_the_same_in_c(native: bool) -> None:
     with pytest.raises(IndexError):  # a 0-d input: its shape[0] raises, in C as in Python, before any acquisition
         fc2._bufreuse_shim.forward(fc2, torch.tensor(1.0), splits)
     assert pool.get(name).held == 0 and not got
+    if native:  # rows that are not a plain int (a symbolic size): the C shim hands the call to Python untouched
+
+        class _Rows(int):
+            pass
+
+        class _Sym:
+            dtype, shape = torch.float32, (_Rows(TOKENS), 8)
+
+        fallen = []
+        shim = HOT.IntoRing(ROUTE, lambda *a, **k: fallen.append(a) or "python", Held, lambda: None)
+        assert shim(fc2, _Sym(), splits) == "python" and len(fallen) == 1 and pool.get(name).held == 0
+        assert shim(fc2, hidden, splits) is not None and got and not fallen[1:]  # positive control: C took it
+        got.popleft().release()
     ring = pool.get(name)
     for _ in range(3):
         fc2(hidden, splits)
@@ -643,7 +656,7 @@ def test_the_te_module_route_is_the_same_in_c(native: bool) -> None:
         got.popleft().release()
     gc.collect()
     assert [sys.getrefcount(o) for o in watched] == before and len(gc.get_objects()) - objects < 40
-    assert ring.stats.acquisitions == 204 and ring.held == 0
+    assert ring.stats.acquisitions == 204 + native and ring.held == 0  # the C path's own positive control: one more
     inst.uninstall()
 
 

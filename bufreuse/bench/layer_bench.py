@@ -137,10 +137,10 @@ class LayerBenchConfig:
     """Control / arm schedule pairs per hooked arm for ``added_time`` (A B B A); a multiple of 4, >= 8 for an
     interval (over A B B A groups)."""
     dispatch_ring: bool = False
-    """Also exercise the dispatch ring at EP = 1 (``install(ring_identity_dispatch=True)``), as where it is used
-    (EP > 1): its hooks' host time joins the expert ring's. At EP = 1 the ring's all-to-all is one copy into the slot
-    that the control does not make (the upstream all-to-all returns its input); at EP > 1 both arms write the
-    all-to-all's output, the control into a fresh allocation."""
+    """Also exercise the dispatch buffer at EP = 1 (``install(ring_identity_dispatch=True)``, every policy arm), as
+    where it is used (EP > 1): its hooks' host time joins the expert buffer's. At EP = 1 the ring's all-to-all is
+    one copy into the slot that the control does not make (the upstream all-to-all returns its input); at EP > 1
+    both arms write the all-to-all's output, the control into a fresh allocation."""
     gc: str = "auto"
     """``auto`` (Python's cyclic collector runs when its thresholds say, inside whatever code is running) or
     ``manual`` (as Megatron-LM's ``--manual-gc``, which large MoE recipes use: collected before each round, disabled

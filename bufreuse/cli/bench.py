@@ -167,8 +167,8 @@ def layer(
         bool,
         typer.Option(
             "--dispatch-ring",
-            help="Also exercise the dispatch ring at EP = 1, as where it is used (EP > 1): its hooks join the "
-            "figures (at EP = 1 its all-to-all is one copy the control does not make).",
+            help="Also exercise the dispatch buffer at EP = 1 (every policy arm), as where it is used (EP > 1): its "
+            "hooks join the figures (at EP = 1 its all-to-all is one copy the control does not make).",
         ),
     ] = False,
     gc_mode: Annotated[

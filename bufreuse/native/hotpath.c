@@ -32,7 +32,8 @@
  * Every fast path checks all it needs before it changes anything, and otherwise answers "not mine" (None)
  * or calls the Python fallback, which then does exactly what it always did: debug mode, CUDA-graph phases,
  * waits on an elided event, readers on other streams, a ring lock another thread holds, fallback allocations and
- * every error stay in Python.
+ * the errors Python words (refusals, misuse) stay in Python; errors from the calls themselves (an input without
+ * rows, a failing event record) are raised where they happen, as the Python code raises them.
  * Only the Python C API is used (no torch headers), so one source builds against any torch;
  * tests/test_native_hotpath.py runs both paths side by side.
  */
@@ -791,7 +792,8 @@ static PyObject *py_untrack(PyObject *mod, PyObject *args) {
 
 static PyTypeObject *SAVED_CLS = NULL; /* tracking._SavedRef: what the C pack makes (saved_ref_class) */
 
-/* SavedRefCounting._track(tensor, storage, strict=False) for a ring of one storage, production mode: DONE (*out: a
+/* SavedRefCounting._track(tensor, storage, strict=False), the slot found by the tensor's offset as _slot_for finds it,
+ * production mode: DONE (*out: a
  * counted reference, or the tensor itself for a free slot), or FALLBACK before any change */
 static int track_impl(PyObject *ring_, PyObject *tensor, long long ptr, PyObject *storage, PyObject **out) {
   if (SAVED_CLS == NULL || !IS(ring_, RingType)) return FALLBACK;
@@ -1249,6 +1251,10 @@ static PyObject *into_call(PyObject *self_, PyObject *const *args, size_t nargsf
       r0 = PySequence_GetItem(ishape, 0); /* a 0-d tensor: IndexError, as Python's shape[0] */
     Py_DECREF(ishape);
     if (r0 == NULL) goto done;
+    if (!PyLong_CheckExact(r0)) { /* a symbolic size: the Python route, which converts it (nothing acquired yet) */
+      Py_DECREF(r0);
+      goto slow;
+    }
     rows = PyLong_AsSsize_t(r0);
     PyObject *cols = PyLong_FromSsize_t(route->cols);
     shape = (rows == -1 && PyErr_Occurred()) || cols == NULL ? NULL : PyTuple_Pack(2, r0, cols);
