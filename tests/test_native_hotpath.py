@@ -402,6 +402,49 @@ def test_autograd_frees_c_saved_references_and_the_slot_with_them() -> None:
         out.sum().backward()
 
 
+def test_a_backward_on_another_thread_waits_for_the_rings_lock_then_releases() -> None:
+    """Autograd frees the saved reference on the thread that runs backward (CUDA: its device thread). While another
+    thread holds the ring's lock, the C finalizer leaves the release to Python's ``_untrack``, which waits for the
+    lock: the slot stays held until the lock is given back, then is released. Without contention (the positive
+    control) the same backward releases it in C, with no Python call."""
+    import threading
+
+    for contended in (False, True):
+        pool = BufferPool("cpu")
+        pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
+        ring = pool.get("x")
+        calls = []
+        reference = ring._untrack
+        ring._untrack = lambda *a, calls=calls, reference=reference: (calls.append(a), reference(*a))[1]
+        w = torch.randn(4, requires_grad=True)
+        slot = pool.acquire("x", (8, 4))
+        with pool.track_saved():
+            out = slot * w
+        assert pool.release_when_unsaved("x", slot) is False
+        del slot
+        taken, leave = threading.Event(), threading.Event()
+
+        def hold_lock(ring=ring, taken=taken, leave=leave) -> None:
+            with ring._lock:
+                taken.set()
+                leave.wait(10)
+
+        holder = threading.Thread(target=hold_lock)
+        if contended:
+            holder.start()
+            assert taken.wait(10)
+        backward = threading.Thread(target=lambda out=out: out.sum().backward())
+        backward.start()
+        if contended:
+            backward.join(0.5)
+            assert backward.is_alive() and ring.held == 1  # waiting for the lock in Python's _untrack
+            leave.set()
+            holder.join()
+        backward.join(10)
+        assert not backward.is_alive() and ring.held == 0 and ring.stats.deferred_releases == 1
+        assert len(calls) == (1 if contended else 0), calls
+
+
 def test_an_error_under_the_lock_is_raised_as_python_raises_it_and_the_lock_given_back() -> None:
     """A failing event record inside the C deferral raises the record's own error (as Python's ``_mark`` does), not
     the lock release's, and leaves the ring's lock free for other threads."""
