@@ -117,6 +117,9 @@ def test_dispatch_ring_exercises_the_dispatch_hooks_at_ep_1() -> None:
     assert data["config"]["dispatch_ring"] is True
     points = data["added_time"]["arms"]["ring"]["entry_points"]
     assert {"MoEAlltoAllTokenDispatcher.token_dispatch", "MoELayer.routed_experts_compute"} <= set(points)
+    table = runner.invoke(app, ["bench", "layer", *FAST, "--policies", "ring", "--dispatch-ring", "--no-hook-time",
+                                "--no-added-time"])  # fmt: skip
+    assert table.exit_code == 0 and "dispatch and expert buffers" in " ".join(table.output.split()), table.output
     hooks = {h["hook"]: h["entries"] for h in data["hook_time"]["arms"]["ring"]["by_hook"]}
     assert any("token_dispatch" in h for h in hooks) and any("RingAllToAll.backward" in h for h in hooks)
     # the experts read the dispatch slot directly at EP = 1 and save it: its release is deferred every layer call,

@@ -37,8 +37,14 @@ def _title(result: dict[str, Any]) -> str:
         + (f", TE {env['transformer_engine']}" if c["spec"] == "te" else "")
         + ("; garbage collector manual (collected before each round, off during it)" if c.get("gc") == "manual" else "")
         + (f"; C hot path {env['hotpath']}" if env.get("hotpath") else "")
-        + "; EP = 1: the policy arms exercise the expert ring as where it is used (production, the as-installed "
-        "arm, uses no ring at EP × ETP = 1)"
+        + (
+            "; EP = 1: the policy arms exercise the dispatch and expert buffers as where they are used (the dispatch "
+            "ring's all-to-all is then one copy the control does not make; production, the as-installed arm, uses no "
+            "ring at EP = 1)"
+            if c.get("dispatch_ring")
+            else "; EP = 1: the policy arms exercise the expert ring as where it is used (production, the as-installed "
+            "arm, uses no ring at EP × ETP = 1)"
+        )
     )
 
 
