@@ -9,6 +9,8 @@
 #                                               # POLICIES, PROFILE=0 (no --profile), DISPATCH_RING=1
 #                                               # (--dispatch-ring) tune it; a py- NAME
 #                                               # runs BUFREUSE_NATIVE=0 (the Python hot path)
+#   bash scripts/h200-evidence.sh costs         # torch_call_costs.py; region_cost.py --device cuda, this checkout
+#                                               # and .old (carry it): new, old, old, new, then BUFREUSE_NATIVE=0
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
@@ -113,6 +115,25 @@ case $stage in
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"
+    done
+    ;;
+  costs)
+    # the warm cost of torch's calls, and of a saved-tensor region and the ring's deferred release cycle
+    # (scripts/region_cost.py --device cuda): this checkout and .old (carry it) in the order new, old, old, new, then
+    # the Python hot path of this checkout; each JSON records the commit that ran
+    te_env
+    log "torch call costs"
+    timeout -k 10 60 python3 scripts/torch_call_costs.py "$work/torch-call-costs.json" >"$work/torch-call-costs.txt" 2>&1 \
+      || log "torch_call_costs exit $?"
+    k=0
+    for which in new old old new py; do
+      k=$((k + 1))
+      py=(python3); [ "$which" = old ] && py=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH" python3 -P)
+      [ "$which" = py ] && py=(env BUFREUSE_NATIVE=0 python3)
+      [ "$which" = old ] && [ ! -d .old/bufreuse ] && { log "region cost $k-$which: no .old/bufreuse"; continue; }
+      log "region cost $k-$which"
+      timeout -k 10 "${REGION_TIMEOUT:-90}" "${py[@]}" "$PWD/scripts/region_cost.py" --device cuda \
+        --json "$work/region-cost-$k-$which.json" >"$work/region-cost-$k-$which.txt" 2>&1 || log "region cost exit $?"
     done
     ;;
   prof)
