@@ -11,11 +11,14 @@ the C path and with the Python path and compare outputs, gradients and every rin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import random
 import sys
+import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -145,6 +148,42 @@ def _state(ring: BufferRing) -> dict:
         for s in ring._slots
     ]
     return {"slots": slots, "stats": ring.stats, "cursor": ring.cursor, "held": ring.held, "elide": ring._elide}
+
+
+@contextlib.contextmanager
+def _lock_held_elsewhere(ring: BufferRing) -> Iterator[None]:
+    """Another thread holds ``ring``'s lock for the block (as a Python section preempted inside it would)."""
+    taken, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ring._lock:
+            taken.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert taken.wait(10)
+        yield
+    finally:
+        leave.set()
+        other.join()
+
+
+def _retained(cycle: Callable[[int], None], calls: int, watched: list) -> tuple[int, bool]:
+    """Bytes still allocated after ``calls`` more cycles (warm, collected), and whether ``watched``'s counts held."""
+    import tracemalloc
+
+    refs = [sys.getrefcount(x) for x in watched]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(calls):
+        cycle(i)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return grown, [sys.getrefcount(x) for x in watched] == refs
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -277,8 +316,6 @@ def test_the_fast_paths_leak_nothing_over_fake_streams() -> None:
     """Thousands of acquire / release pairs taking every stream branch (cross-stream waits, recorded releases):
     no memory retained and no reference kept on the streams (a missing decref of a key, a call's result or a
     stream shows here; positive control: scripts/mutations.toml's native-* entries)."""
-    import tracemalloc
-
     ring, ops, _ = _fake_cuda_ring("r")
     ops.record = lambda event, stream: object()  # a fresh result per call: leaking it would show
     ops.wait = lambda event, stream: object()
@@ -293,24 +330,14 @@ def test_the_fast_paths_leak_nothing_over_fake_streams() -> None:
     for i in range(200):
         cycle(i)
     assert ring.stats.gpu_waits > 100  # the wait branch ran
-    refs = [sys.getrefcount(x) for x in streams]
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for i in range(5000):
-        cycle(i)
-    gc.collect()
-    grown = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    assert grown < 20_000 and [sys.getrefcount(x) for x in streams] == refs
+    grown, refs_kept = _retained(cycle, 5000, streams)
+    assert grown < 20_000 and refs_kept
 
 
 def test_the_deferred_paths_decline_what_python_must_do() -> None:
     """The deferral and the saved reference's release leave to Python (None, nothing changed): a ring whose lock
     another thread holds (Python waits for it), no spare event for the reader's mark (Python makes one), a final
     release with a reader on another stream (Python waits on it), a capture phase, debug mode."""
-    import threading
-
     ring, ops, log = _fake_cuda_ring("r")
     ring._hot = HOT
     ring._spare_events.append(_Named("s0"))
@@ -318,22 +345,9 @@ def test_the_deferred_paths_decline_what_python_must_do() -> None:
     slot = ring._slots[0]
     slot.saved_refs = 1
     before = _state(ring)
-    taken, leave = threading.Event(), threading.Event()
-
-    def hold_lock() -> None:
-        with ring._lock:
-            taken.set()
-            leave.wait(10)
-
-    other = threading.Thread(target=hold_lock)
-    other.start()
-    try:
-        assert taken.wait(10)
+    with _lock_held_elsewhere(ring):
         assert HOT.release_when_unsaved(ring, t) is None
         assert HOT.untrack(ring, slot, slot.generation, ring._epoch) is None
-    finally:
-        leave.set()
-        other.join()
     assert _state(ring) == before
     for case in ("phase", "debug", "python pool"):
         if case == "phase":
@@ -407,8 +421,6 @@ def test_a_backward_on_another_thread_waits_for_the_rings_lock_then_releases() -
     thread holds the ring's lock, the C finalizer leaves the release to Python's ``_untrack``, which waits for the
     lock: the slot stays held until the lock is given back, then is released. Without contention (the positive
     control) the same backward releases it in C, with no Python call."""
-    import threading
-
     for contended in (False, True):
         pool = BufferPool("cpu")
         pool.register("x", policy="ring", num_slots=2, max_shape=(8, 4), dtype=torch.float32)
@@ -422,24 +434,12 @@ def test_a_backward_on_another_thread_waits_for_the_rings_lock_then_releases() -
             out = slot * w
         assert pool.release_when_unsaved("x", slot) is False
         del slot
-        taken, leave = threading.Event(), threading.Event()
-
-        def hold_lock(ring=ring, taken=taken, leave=leave) -> None:
-            with ring._lock:
-                taken.set()
-                leave.wait(10)
-
-        holder = threading.Thread(target=hold_lock)
-        if contended:
-            holder.start()
-            assert taken.wait(10)
         backward = threading.Thread(target=lambda out=out: out.sum().backward())
-        backward.start()
-        if contended:
-            backward.join(0.5)
-            assert backward.is_alive() and ring.held == 1  # waiting for the lock in Python's _untrack
-            leave.set()
-            holder.join()
+        with _lock_held_elsewhere(ring) if contended else contextlib.nullcontext():
+            backward.start()
+            if contended:
+                backward.join(0.5)
+                assert backward.is_alive() and ring.held == 1  # waiting for the lock in Python's _untrack
         backward.join(10)
         assert not backward.is_alive() and ring.held == 0 and ring.stats.deferred_releases == 1
         assert len(calls) == (1 if contended else 0), calls
@@ -448,8 +448,6 @@ def test_a_backward_on_another_thread_waits_for_the_rings_lock_then_releases() -
 def test_an_error_under_the_lock_is_raised_as_python_raises_it_and_the_lock_given_back() -> None:
     """A failing event record inside the C deferral raises the record's own error (as Python's ``_mark`` does), not
     the lock release's, and leaves the ring's lock free for other threads."""
-    import threading
-
     errors = {}
     for fast in (False, True):
         ring, ops, _ = _fake_cuda_ring(f"r{fast}")
@@ -476,8 +474,6 @@ def test_an_error_under_the_lock_is_raised_as_python_raises_it_and_the_lock_give
 def test_the_deferred_paths_leak_nothing() -> None:
     """Thousands of deferrals and saved-reference releases in C over two streams (marks elided and recorded, final
     releases elided and recorded): no memory retained, no reference kept on the streams or events."""
-    import tracemalloc
-
     ring, ops, _ = _fake_cuda_ring("r")
     ring._hot = HOT
     ops.record = lambda event, stream: object()  # fresh results, kept by nothing (the fake's log would grow)
@@ -507,16 +503,8 @@ def test_the_deferred_paths_leak_nothing() -> None:
     for i in range(200):
         cycle(i)
     assert done["untrack"] > 300  # the C release did most of them
-    refs = [sys.getrefcount(x) for x in (*streams, *ring._spare_events)]
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for i in range(3000):
-        cycle(i)
-    gc.collect()
-    grown = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    assert grown < 20_000 and [sys.getrefcount(x) for x in (*streams, *ring._spare_events)] == refs
+    grown, refs_kept = _retained(cycle, 3000, [*streams, *ring._spare_events])
+    assert grown < 20_000 and refs_kept
 
 
 def test_held_release_is_helds() -> None:

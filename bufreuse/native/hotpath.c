@@ -207,7 +207,9 @@ STATE_TYPE(RingType, "Ring", Ring, ring_members, "A ring's hot fields (base of b
 STATE_TYPE(HeldType, "Held", Held, held_members, "An acquisition's fields (base of integrations.core.Held)")
 STATE_TYPE(RouteType, "Route", Route, route_members, "An FC2 route's fields (base of te.out_route.Fc2Route)")
 STATE_TYPE(TrackerType, "Tracker", Tracker, tracker_members, "A region's fields (base of tracking.SavedTracker)")
-static PyTypeObject SavedRefType; /* below: a state type with a finalizer (the deferred release) */
+/* its dealloc and finalizer (the deferred release) are set at module init, below */
+STATE_TYPE(SavedRefType, "SavedRef", SavedRef, saved_ref_members,
+           "A saved reference's fields and its release when freed (base of tracking._SavedRef)")
 
 static PyMemberDef *members_of(PyTypeObject *t) {
   for (; t != NULL; t = t->tp_base) {
@@ -383,6 +385,22 @@ static int mark_apply(Ring *ring, Slot *slot, Ops *ops, int plan, PyObject *stre
   return 0;
 }
 
+/* the deferred paths' start on a CUDA ring: its ops, the current stream and an empty 3-tuple for a new reader mark,
+ * made before the lock (nothing is allocated under it); DONE (new references in *stream, *fresh), FALLBACK or -1.
+ * On a CPU ring: DONE with nothing set. */
+static int mark_prologue(Ring *ring, Ops **ops, PyObject **stream, PyObject **fresh) {
+  if (!ring->_cuda) return DONE;
+  if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
+  *ops = (Ops *)ring->_ops;
+  int r = current_stream(*ops, stream);
+  if (r != DONE) return r;
+  if ((*fresh = PyTuple_New(3)) == NULL) {
+    Py_CLEAR(*stream);
+    return -1;
+  }
+  return DONE;
+}
+
 /* ---- acquire ---------------------------------------------------------------------------------------- */
 
 /* BufferRing.acquire(shape) in eager, production mode, when the cursor's slot is free; FALLBACK otherwise
@@ -522,15 +540,7 @@ static int defer_impl(Ring *ring, Slot *slot, PyObject *key) {
   PyObject *stream = NULL, *fresh = NULL;
   Ops *ops = NULL;
   int r, plan = MARK_NONE;
-  if (ring->_cuda) {
-    if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
-    ops = (Ops *)ring->_ops;
-    if ((r = current_stream(ops, &stream)) != DONE) return r;
-    if ((fresh = PyTuple_New(3)) == NULL) { /* made before the lock: nothing allocated under it */
-      Py_DECREF(stream);
-      return -1;
-    }
-  }
+  if ((r = mark_prologue(ring, &ops, &stream, &fresh)) != DONE) return r;
   if ((r = lock_try(ring)) != 1) goto out; /* 0: another thread is in a locked section: Python waits for it */
   if (!(slot->saved_refs || slot->holds)) { /* the last reader went meanwhile: Python's immediate release */
     r = FALLBACK;
@@ -701,15 +711,7 @@ static int untrack_impl(PyObject *ring_, PyObject *slot_, Py_ssize_t generation,
   PyObject *stream = NULL, *fresh = NULL;
   Ops *ops = NULL;
   int r;
-  if (ring->_cuda) {
-    if (ring->_ops == NULL || !IS(ring->_ops, OpsType)) return FALLBACK;
-    ops = (Ops *)ring->_ops;
-    if ((r = current_stream(ops, &stream)) != DONE) return r;
-    if ((fresh = PyTuple_New(3)) == NULL) {
-      Py_DECREF(stream);
-      return -1;
-    }
-  }
+  if ((r = mark_prologue(ring, &ops, &stream, &fresh)) != DONE) return r;
   Py_INCREF(ring);
   Py_INCREF(slot);
   if ((r = lock_try(ring)) != 1) goto out;
@@ -867,19 +869,6 @@ static void saved_ref_dealloc(PyObject *self) {
   if (PyObject_CallFinalizerFromDealloc(self) < 0) return; /* resurrected by the finalizer */
   state_dealloc(self);
 }
-
-static PyTypeObject SavedRefType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "bufreuse.native._hotpath.SavedRef",
-    .tp_basicsize = sizeof(SavedRef),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_traverse = state_traverse,
-    .tp_clear = state_clear,
-    .tp_dealloc = saved_ref_dealloc,
-    .tp_finalize = saved_ref_finalize,
-    .tp_members = saved_ref_members,
-    .tp_doc = "A saved reference's fields and its release when freed (base of tracking._SavedRef)",
-};
 
 /* the unpack hook: a counted reference gives its tensor back (Python's unpack raises for a reacquired slot) */
 static PyObject *py_unpack(PyObject *mod, PyObject *packed) {
@@ -1426,6 +1415,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
   NAMES(INTERN)
 #undef INTERN
   if ((EMPTY = PyTuple_New(0)) == NULL) return NULL;
+  SavedRefType.tp_dealloc = saved_ref_dealloc;
+  SavedRefType.tp_finalize = saved_ref_finalize;
   if (PyType_Ready(&PackType) < 0 || PyType_Ready(&AfterStageType) < 0 || PyType_Ready(&IntoRingType) < 0 ||
       PyType_Ready(&SlotType) < 0 || PyType_Ready(&OpsType) < 0 || PyType_Ready(&RingType) < 0 ||
       PyType_Ready(&HeldType) < 0 || PyType_Ready(&RouteType) < 0 || PyType_Ready(&TrackerType) < 0 ||
