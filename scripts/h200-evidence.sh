@@ -10,7 +10,8 @@
 #                                               # (--dispatch-ring) tune it; a py- NAME
 #                                               # runs BUFREUSE_NATIVE=0 (the Python hot path)
 #   bash scripts/h200-evidence.sh costs         # torch_call_costs.py; region_cost.py --device cuda, this checkout
-#                                               # and .old (carry it): new, old, old, new, then BUFREUSE_NATIVE=0
+#                                               # and .old (carry it): new, old, old, new, then BUFREUSE_NATIVE=0;
+#                                               # narrow_cost.py --spec te, bf16 and fp8
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
 #                                               # test; the HybridEP probe + test; `bench layer` with --profile
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
@@ -134,6 +135,13 @@ case $stage in
       log "region cost $k-$which"
       timeout -k 10 "${REGION_TIMEOUT:-90}" "${py[@]}" "$PWD/scripts/region_cost.py" --device cuda \
         --json "$work/region-cost-$k-$which.json" >"$work/region-cost-$k-$which.txt" 2>&1 || log "region cost exit $?"
+    done
+    # the dispatch slot's narrow regions against the whole experts stage, TE spec, one expert (scripts/narrow_cost.py)
+    for prec in bf16 fp8; do
+      log "narrow cost te $prec"
+      timeout -k 10 "${NARROW_TIMEOUT:-120}" python3 scripts/narrow_cost.py --spec te --precision "$prec" \
+        --device cuda --preset host-bound --json "$work/narrow-cost-te-$prec.json" >"$work/narrow-cost-te-$prec.txt" \
+        2>&1 || log "narrow cost exit $?"
     done
     ;;
   prof)

@@ -36,12 +36,13 @@ def install(*args, ring_identity_dispatch: bool = False, **kwargs):
     return install_exercising_rings(*args, ring_identity_dispatch=ring_identity_dispatch, **kwargs)
 
 
-def _layer(num_experts: int = 8, deterministic: bool = False):
-    return cpu_moe_layer(num_experts, "alltoall", HIDDEN, deterministic_mode=deterministic)
+def _layer(num_experts: int = 8, deterministic: bool = False, probs_on_input: bool = False):
+    extra = {"moe_apply_probs_on_input": True} if probs_on_input else {}
+    return cpu_moe_layer(num_experts, "alltoall", HIDDEN, deterministic_mode=deterministic, **extra)
 
 
-def _step(layer, seed: int):
-    """One layer call, forward and backward; returns (output, input grad)."""
+def _forward(layer, seed: int):
+    """One layer forward; returns (output, input)."""
     n = layer.config.num_moe_experts
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(SEQ, MBS, HIDDEN, generator=g).requires_grad_(True)
@@ -51,7 +52,12 @@ def _step(layer, seed: int):
     h, p = layer.preprocess(x, probs, routing)
     d, p = layer.dispatch(h, p)
     out, _ = layer.routed_experts_compute(d, p)
-    y = layer.postprocess(layer.combine(out), None)
+    return layer.postprocess(layer.combine(out), None), x
+
+
+def _step(layer, seed: int):
+    """One layer call, forward and backward; returns (output, input grad)."""
+    y, x = _forward(layer, seed)
     y.backward(torch.ones_like(y))
     return y.detach(), x.grad
 
@@ -340,3 +346,220 @@ def test_a_combine_stage_returning_a_view_keeps_the_fc2_slot(parallel, monkeypat
         got = [_step(layer, s) for s in range(3)]
     assert released_at == ["combine_postprocess"] * 3  # the first stage whose output is a copy
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+
+
+def _counting_packs(monkeypatch) -> list[int]:
+    """Count the calls of the pool's pack hook (every tensor autograd saves inside a region), for pools made after."""
+    from bufreuse.pool import tracking
+
+    n = [0]
+    orig = tracking._pack_unpack
+
+    def counting(*args, **kwargs):
+        pack, unpack = orig(*args, **kwargs)
+
+        def counted(t):
+            n[0] += 1
+            return pack(t)
+
+        return counted, unpack
+
+    monkeypatch.setattr(tracking, "_pack_unpack", counting)
+    return n
+
+
+def _saves_inside(layer, targets: list[tuple[object, str]], seeds: range) -> int:
+    """Tensors autograd saves inside the given methods over uninstalled layer calls (counted by torch's own hooks)."""
+    n = [0]
+
+    def pack(t):
+        n[0] += 1
+        return t
+
+    for obj, attr in targets:
+        fn = getattr(obj, attr)
+
+        def counting(*args, _fn=fn, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return _fn(*args, **kwargs)
+
+        setattr(obj, attr, counting)
+    try:
+        for s in seeds:
+            _step(layer, s)
+    finally:
+        for obj, attr in targets:
+            delattr(obj, attr)
+    return n[0]
+
+
+@pytest.mark.parametrize("experts", [1, 8])
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_a_directly_read_dispatch_slot_is_tracked_only_where_it_is_read(
+    parallel, monkeypatch, debug: bool, experts: int
+) -> None:
+    """The experts read the dispatch slot directly (one local expert; at EP = 1 the sort is a no-op for eight):
+    production regions only ``dispatch_postprocess`` and the experts' ``linear_fc1`` (what takes the slot, or a
+    split view of it), not the experts' other saved tensors; the release still waits for what FC1 saved. The
+    counts come from torch's own hooks on the bare layer."""
+    from bufreuse.integrations.alltoall import hooks
+
+    packs = _counting_packs(monkeypatch)
+    layer = _layer(experts)
+    seeds = range(3)
+    ref = [_step(layer, s) for s in seeds]
+    fc1s = [mlp.linear_fc1 for mlp in layer.experts.local_experts]
+    whole = _saves_inside(layer, [(layer, "routed_experts_compute")], seeds)
+    stages = [(layer.token_dispatcher, "dispatch_postprocess"), *((fc1, "forward") for fc1 in fc1s)]
+    narrow = _saves_inside(layer, stages, seeds)
+    assert 0 < narrow < whole  # FC1 saves its input; the activation and FC2 save more
+    knobs = _knobs(expert=0)  # the dispatch ring alone: nothing else is tracked
+    assert hooks.dispatch_slot_readers(layer) == tuple(fc1s)
+
+    def run() -> tuple[int, int, list]:
+        pool = BufferPool("cpu", debug=debug)
+        packs[0] = 0
+        with install(layer, pool, knobs, tokens=TOKENS, ring_identity_dispatch=True):
+            got = [_step(layer, s) for s in seeds]
+        return packs[0], pool.stats()[DISPATCH].deferred_releases, got
+
+    n, deferred, got = run()
+    assert n == (whole if debug else narrow)  # debug mode tracks the whole stage (and checks, below)
+    assert deferred == len(seeds)  # FC1 saved the slot: every release waited for its backward
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+    # positive control: where the readers are not known, the whole stage is tracked as before
+    monkeypatch.setattr(hooks, "dispatch_slot_readers", lambda layer, inst=None: None)
+    n, deferred, got = run()
+    assert n == whole and deferred == len(seeds)
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+
+
+def _two_in_flight(layer, seeds: tuple[int, int]) -> list[torch.Tensor]:
+    """F0 F1 B0 B1: outputs, input gradients and every parameter's gradient (FC1's needs the saved slot)."""
+    layer.zero_grad(set_to_none=True)
+    runs = [_forward(layer, s) for s in seeds]
+    for y, _ in runs:
+        y.backward(torch.ones_like(y))
+    grads = [p.grad for p in layer.parameters() if p.grad is not None]  # the router's is None (routing is given)
+    return [*(y.detach() for y, _ in runs), *(x.grad for _, x in runs), *grads]
+
+
+@pytest.mark.parametrize("experts", [1, 8])
+def test_the_narrowed_release_waits_with_two_microbatches_in_flight(parallel, experts: int) -> None:
+    """Two slots, two forwards before either backward: a release that did not wait for FC1's saved slot would let
+    the second forward overwrite the first one's FC1 input before its weight gradient reads it."""
+    layer = _layer(experts)
+    ref = _two_in_flight(layer, (0, 1))
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
+        got = _two_in_flight(layer, (0, 1))
+    assert pool.stats()[DISPATCH].deferred_releases == 2 and pool.stats()[DISPATCH].peak_held == 2
+    assert len(got) == len(ref) > 4 and all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_debug_mode_raises_when_the_experts_save_the_dispatch_slot_elsewhere(parallel, monkeypatch) -> None:
+    """A megatron-core whose ``SequentialMLP.forward`` saves the slot before FC1: production's narrow regions cannot
+    see it (the release does not wait: the hazard), debug mode raises."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from bufreuse.integrations.alltoall import hooks
+
+    layer = _layer(1)
+    # positive control: unpatched, debug mode passes and production defers every release
+    for debug in (False, True):
+        pool = BufferPool("cpu", debug=debug)
+        with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
+            _step(layer, 0)
+        assert pool.stats()[DISPATCH].deferred_releases == 1
+    orig = SequentialMLP.forward
+    scale = torch.ones((), requires_grad=True)
+    saving = [True]
+
+    def saving_forward(self, hidden, tokens_per_expert, probs):
+        if saving[0]:
+            hidden = hidden * scale  # the multiply saves the slot for scale's gradient
+        return orig(self, hidden, tokens_per_expert, probs)
+
+    saving_forward.__module__ = SequentialMLP.__module__  # as if megatron-core's own forward had changed
+    monkeypatch.setattr(SequentialMLP, "forward", saving_forward)
+    assert hooks.dispatch_slot_readers(layer) is not None  # the class check passes: megatron's own forward
+    pool = BufferPool("cpu")
+    with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
+        _step(layer, 0)
+    assert pool.stats()[DISPATCH].deferred_releases == 0  # FC1 got a copy; the multiply's save went unseen
+    debug = BufferPool("cpu", debug=True)
+    with (
+        install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+        pytest.raises(BackendContractError, match="saved the dispatch slot for backward outside"),
+    ):
+        _step(layer, 0)
+    debug.reset()
+    # the count is per layer call: clean calls first (two in flight, F F B B), then the saving one still raises
+    saving[0] = False
+    debug = BufferPool("cpu", debug=True)
+    with install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
+        (y0, _), (y1, _) = _forward(layer, 0), _forward(layer, 1)
+        y0.sum().backward()
+        y1.sum().backward()
+        saving[0] = True
+        with pytest.raises(BackendContractError, match="saved the dispatch slot for backward outside"):
+            _step(layer, 2)
+    debug.reset()
+
+
+def test_dispatch_slot_readers_fall_back_to_the_whole_stage(parallel) -> None:
+    """Readers are known only for the stock classes: anything that may read the slot elsewhere tracks everything."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from bufreuse.integrations.alltoall.hooks import dispatch_slot_readers
+
+    layer = _layer(1)
+    assert dispatch_slot_readers(layer) == (layer.experts.local_experts[0].linear_fc1,)  # positive control
+    assert dispatch_slot_readers(_layer(1, probs_on_input=True)) is None  # probs * hidden saves it
+    layer.experts.forward = layer.experts.forward  # an instance patch from elsewhere
+    assert dispatch_slot_readers(layer) is None
+    del layer.experts.forward
+    mlp = layer.experts.local_experts[0]
+    mlp.forward = mlp.forward
+    assert dispatch_slot_readers(layer) is None
+    del mlp.forward
+
+    class Sub(SequentialMLP):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    layer.experts.__class__ = Sub
+    assert dispatch_slot_readers(layer) is None
+    layer.experts.__class__ = SequentialMLP
+    assert dispatch_slot_readers(layer) is not None
+
+
+def test_dispatch_slot_readers_only_where_the_experts_receive_the_slot(parallel, monkeypatch) -> None:
+    """The sort or the tensor-parallel gather copies the slot: the experts never see it, nothing is narrowed."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from bufreuse.integrations.alltoall.hooks import dispatch_slot_readers
+
+    one, eight = _layer(1), _layer(8)
+    assert dispatch_slot_readers(one) and dispatch_slot_readers(eight)  # EP = 1: pad mode's sort is a no-op
+    for layer, field, value, narrowed in (
+        (one, "ep_size", 2, True),  # one local expert: no sort at any EP
+        (eight, "ep_size", 2, False),  # the sort copies
+        (eight, "drop_and_pad", False, False),  # dropless: sort_chunks_by_idxs copies at EP = 1 too
+        (one, "tp_size", 2, False),  # the gather copies
+    ):
+        disp = layer.token_dispatcher
+        old = getattr(disp, field)
+        setattr(disp, field, value)
+        try:
+            assert (dispatch_slot_readers(layer) is not None) is narrowed, (field, value)
+        finally:
+            setattr(disp, field, old)
+    # a class-level patch from another module (not megatron-core's code): not narrowed
+    orig = SequentialMLP.forward
+
+    def patched(self, *args, **kwargs):
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(SequentialMLP, "forward", patched)
+    assert dispatch_slot_readers(one) is None

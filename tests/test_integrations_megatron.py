@@ -262,6 +262,7 @@ def test_release_rule_disagreement_is_reported_loudly_in_debug_mode(parallel, ca
         inst.uninstall()
     text = str(w[0].message)
     assert "'expert_fc2_output'" in text and "at forward" in text and "3 of 3" in text and "predicts 0" in text
+    assert "planner's depth" in text and "Fewer releases waited" not in text  # more deferrals: only the depth
     assert "expert_fc2_output" in caplog.text
 
 
@@ -280,6 +281,8 @@ def test_data_dependent_rule_accepts_an_earlier_release_but_not_a_later_one(para
         inst.expected_release["expert_fc2_output"] = dataclasses.replace(rule, point=ReleasePoint.BACKWARD)
         (bad,) = inst.release_check()
         assert (bad.deferred, bad.expected_deferred) == (0, 3)
+        # fewer deferrals than the rule: a missed save in production is one explanation, and the text says so
+        assert "Fewer releases waited" in str(bad) and "BUFREUSE_DEBUG=1" in str(bad)
         inst.expected_release["expert_fc2_output"] = dataclasses.replace(
             rule, point=ReleasePoint.BACKWARD, data_dependent=True
         )

@@ -308,6 +308,7 @@ def _build_layer(cfg: LayerBenchConfig, device: torch.device) -> Any:
         num_attention_heads=1,
         num_moe_experts=cfg.experts,
         moe_router_topk=cfg.topk,
+        moe_router_pre_softmax=cfg.topk == 1,  # megatron-core refuses top-1 routing without it
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=cfg.spec == "te",
         add_bias_linear=False,
@@ -326,7 +327,10 @@ def _build_layer(cfg: LayerBenchConfig, device: torch.device) -> Any:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(cfg.seed)
-    tcfg = TransformerConfig(**kw)
+    try:
+        tcfg = TransformerConfig(**kw)
+    except (ValueError, AssertionError) as e:  # the shape flags: a user's input, said in one line
+        raise InputError(f"megatron-core refuses this layer: {e}") from e
     if cfg.spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 

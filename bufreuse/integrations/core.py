@@ -10,7 +10,8 @@ Releases are by fact (:class:`Held`); where they are *expected* comes from the p
 :mod:`bufreuse.plan.rules`: the installation keeps each hooked ring's :class:`~bufreuse.plan.rules.ReleaseRule`
 (``expected_release``), takes its ring-policy refusals from the same rows (:data:`INSTALL_ROWS` is built
 from :data:`bufreuse.plan.rules.REFUSALS`), and :meth:`Installation.release_check` compares the
-observed deferrals with the rules (a disagreement means the planner's depth is wrong, not the run).
+observed deferrals with the rules (in debug mode, which counts every stage, a disagreement means the
+planner's depth is wrong, not the run).
 
 Importing this module imports neither torch nor megatron-core (``bufreuse check-config`` reads the
 requirement rows without them); :func:`aliases` and :func:`acquire_with_hint` import torch and the
@@ -235,8 +236,18 @@ class ReleaseDisagreement:
             f"bufreuse: ring '{self.ring}' released against its rule: rule says release at {r.point.value}"
             f"{' (MoE recompute)' if r.recompute else ''} ({r.reason}); observed {self.deferred} of "
             f"{self.acquisitions} acquisition(s) deferred past the forward, the rule predicts "
-            f"{self.expected_deferred}. Releases are by fact, so the run is safe, but the planner's depth "
-            "(bufreuse plan, num_slots='auto' start) is wrong for this config"
+            f"{self.expected_deferred}. {self._consequence()}"
+        )
+
+    def _consequence(self) -> str:
+        depth = "the planner's depth (bufreuse plan, num_slots='auto' start) is wrong for this config"
+        if self.deferred >= self.expected_deferred:
+            return f"Releases wait for every saved reference counted, but {depth}"
+        # production counts saved references only where megatron-core passes the slot (dispatch_slot_readers)
+        return (
+            f"Fewer releases waited than predicted: either {depth}, or (in production mode) a stage saved a slot "
+            "where production does not count (the release came early; debug mode, BUFREUSE_DEBUG=1, counts every "
+            "stage and raises on that)"
         )
 
 

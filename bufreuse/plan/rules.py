@@ -4,8 +4,9 @@ The planner reads these rows to count slots in flight; the integration reads the
 ``install()`` (``Installation.expected_release``), takes its ring-policy refusals from
 :data:`REFUSALS` (``ReleaseRule.refusals``), and checks the release it observes against them
 (``Installation.release_check``). The integration itself releases *by fact* (a release waits for the
-autograd-saved references the hooked stages made), so a rule it contradicts never corrupts a run: it
-means the planner's depth is wrong, and ``tests/test_schedule_harness.py`` fails. Each row names the
+autograd-saved references the hooked stages made), so in debug mode, which counts every stage, a rule
+it contradicts does not corrupt a run: it means the planner's depth is wrong, and
+``tests/test_schedule_harness.py`` fails. Each row names the
 config fields it depends on, read from megatron-core 0.19.2 (``megatron/core/transformer/moe/``):
 
 Both buffers, **refused**: per-layer CUDA graphs (``cuda_graph_impl`` ``local``/``transformer_engine``; a

@@ -4,7 +4,8 @@ Per ``MoELayer`` instance it overrides:
 
 - ``token_dispatch``: the tokens all-to-all writes into a ``dispatch_output`` slot;
 - ``dispatch_postprocess``: releases the slot when the local-expert sort copied it;
-- ``routed_experts_compute``: otherwise releases it after the experts, its last forward reader;
+- ``routed_experts_compute``: otherwise releases it after the experts, its last forward reader (what they save
+  from it is counted around the modules that take it, :func:`dispatch_slot_readers`: their ``linear_fc1``);
 - ``experts.forward`` (``SequentialMLP``): FC2 outputs concatenated into an ``expert_fc2_output``
   slot (a ``TEGroupedMLP``'s FC2 output is the TE adapter's);
 - ``combine_preprocess`` / ``token_combine`` / ``combine_postprocess``: release the FC2 slot after
@@ -14,9 +15,10 @@ Every release is by fact: a hooked stage that receives a live slot runs inside `
 (a stage that receives a copy pays one pointer comparison and nothing else), and a release waits for
 the saved references those stages made to the slot (a bf16 expert GEMM's input with one local expert,
 ``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
-deterministic algorithms), so it lands after the backward that reads them; nothing is decided from
-the configuration. Nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2); debug
-mode tracks the whole experts forward and raises if that ever changes.
+deterministic algorithms), so it lands after the backward that reads them. Where the experts read the
+dispatch slot, the region covers only the modules that take it as input, known from megatron-core's classes
+(else the whole experts stage); nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2).
+Debug mode tracks the whole experts stage and raises if either ever changes.
 
 At EP = 1 the upstream all-to-all returns its input, and at EP x ETP = 1 the FC2 output is made and read on
 one stream: there is nothing for those rings to replace, so ``install()`` leaves them unclaimed (no ring
@@ -31,7 +33,7 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bufreuse.config import static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
@@ -49,6 +51,9 @@ from bufreuse.integrations.core import (
     reads_live,
     tracked,
 )
+
+if TYPE_CHECKING:
+    from bufreuse.pool import BufferPool
 
 __all__ = ["ADAPTER", "AllToAllAdapter"]
 
@@ -119,6 +124,8 @@ class _LayerState:
     fc2: deque[Held] = field(default_factory=deque)
     wgrad: deque[Any] | None = None
     """Holds on dispatch slots TE's wgrad store still reads, oldest first (delayed wgrad; else None)."""
+    known: int = 0
+    """Debug mode: saved references to the live dispatch slot made inside the stages production tracks."""
 
 
 class AllToAllAdapter:
@@ -176,6 +183,8 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     state.wgrad = hook_delayed_wgrad(inst, layer)
     if getattr(disp, "shared_experts", None) is not None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
+    readers = dispatch_slot_readers(layer, inst)
+    checked = pool.debug and readers is not None  # debug mode checks what production's narrow regions would miss
     nccl = bool(getattr(disp, "use_nccl_stream", False))
     probs_kwargs = {"use_nccl_stream": nccl} if hasattr(disp, "use_nccl_stream") else {}
     box: list[Held] = []
@@ -198,10 +207,16 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         return result
 
     def routed_experts_compute(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
+        before = 0
+        if checked and state.dispatch is not None:
+            before = pool.saved_references(DISPATCH, state.dispatch.tensor)
+            state.known = 0
         result = orig_compute(hidden, probs)
         held, state.dispatch = state.dispatch, None
         hold = None
         if held is not None:
+            if checked:
+                _check_readers(readers, pool.saved_references(DISPATCH, held.tensor) - before - state.known)
             # The experts read it directly. Whatever they saved from it (a bf16 GEMM's input,
             # probs * hidden under moe_apply_probs_on_input, TE's original input) was counted;
             # an FP8 GEMM saves its quantized copy and the release happens now. With delayed
@@ -217,8 +232,105 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
 
     reads = reads_live(lambda: state.dispatch)
     inst.override(disp, "token_dispatch", token_dispatch)
+    if readers is None or pool.debug:
+        # the whole stage in a region; debug mode also counts what the narrow readers saved and checks
+        if checked:
+            for module in readers:
+                inst.override(module, "forward", _counted(pool, state, inst.original(module, "forward")))
+            dispatch_postprocess = _counted(pool, state, dispatch_postprocess)
+        inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
+        inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
+        return
+    # production with known readers: regions only around the stages and modules that take the slot itself
     inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
-    inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
+    for module in readers:
+        inst.override(module, "forward", tracked(pool, inst.original(module, "forward"), reads))
+    inst.override(layer, "routed_experts_compute", routed_experts_compute)
+
+
+def dispatch_slot_readers(layer: Any, inst: Installation | None = None) -> tuple[Any, ...] | None:
+    """The modules inside ``layer.experts`` that receive the dispatch slot itself, or None (track the whole stage).
+
+    The experts receive the slot where ``dispatch_postprocess`` returns it (megatron-core 0.19.2): no
+    tensor-parallel gather, and one local expert, or the pad-mode sort at EP = 1 (a size-1 transpose);
+    elsewhere it copies, and the whole-stage wrapper costs one pointer test. Inside, only their first
+    linear takes it as input: ``TEGroupedMLP.forward`` (not fused) passes it, or TE's ``Fp8Padding`` copy
+    of it (which saves nothing), to ``linear_fc1``; ``SequentialMLP`` passes it, or a split view or
+    padding copy of it, to each local ``MLP``, whose ``forward`` gives it to ``linear_fc1`` only. So a
+    region around those calls counts everything saved from it, and the experts' other saved tensors
+    (activation, FC2, probabilities) skip the pack hook. None where something else may read or save it:
+    ``moe_apply_probs_on_input`` (``probs * hidden`` saves it), activation offloading and paged stashing
+    (their own hooks), the op-fuser grouped MLP (one fused op), a ``forward`` that is not megatron's own
+    (a subclass's, a class-level patch, an instance attribute something other than ``inst`` set). Module
+    hooks and patches made after install are seen by debug mode only, which tracks the whole stage and
+    raises when anything outside these modules saved the slot (:func:`_check_readers`).
+    """
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+    from bufreuse.integrations._compat_megatron import te_fused_impl
+
+    def stock(obj: Any, cls: type) -> bool:
+        """``obj.forward`` is ``cls``'s own, defined in megatron-core, and not shadowed by another tool."""
+        mine = inst is not None and any(o is obj and a == "forward" for o, a in inst.entry_points)
+        own = type(obj).forward is cls.forward and cls.forward.__module__ == cls.__module__
+        return own and ("forward" not in vars(obj) or mine)
+
+    experts, cfg, disp = getattr(layer, "experts", None), layer.config, layer.token_dispatcher
+    tp, ep = int(getattr(disp, "tp_size", 1) or 1), int(getattr(disp, "ep_size", 1) or 1)
+    local = int(getattr(disp, "num_local_experts", 1) or 1)
+    if tp != 1 or not (local == 1 or (ep == 1 and bool(getattr(disp, "drop_and_pad", False)))):
+        return None  # the gather or the sort copies the slot: the experts never see it
+    if (
+        getattr(cfg, "moe_apply_probs_on_input", False)
+        or getattr(cfg, "fine_grained_activation_offloading", False)
+        or getattr(cfg, "cpu_offloading", False)
+        or getattr(cfg, "moe_paged_stash", False)
+    ):
+        return None
+    if isinstance(experts, TEGroupedMLP):
+        if not stock(experts, TEGroupedMLP) or te_fused_impl(experts):
+            return None
+        fc1 = getattr(experts, "linear_fc1", None)
+        return None if fc1 is None else (fc1,)
+    if isinstance(experts, SequentialMLP):
+        mlps = list(getattr(experts, "local_experts", ()))
+        if not stock(experts, SequentialMLP) or not mlps:
+            return None
+        if not all(isinstance(m, MLP) and stock(m, MLP) and hasattr(m, "linear_fc1") for m in mlps):
+            return None
+        return tuple(m.linear_fc1 for m in mlps)
+    return None
+
+
+def _counted(pool: BufferPool, state: _LayerState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Debug mode: ``fn``, adding what it saved from the live dispatch slot to ``state.known``."""
+
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        held = state.dispatch
+        if held is None:
+            return fn(*args, **kwargs)
+        before = pool.saved_references(DISPATCH, held.tensor)
+        out = fn(*args, **kwargs)
+        if state.dispatch is held:  # else released here (a sort copy): nothing downstream reads it
+            state.known += pool.saved_references(DISPATCH, held.tensor) - before
+        return out
+
+    return counted
+
+
+def _check_readers(readers: tuple[Any, ...], unaccounted: int) -> None:
+    """Debug mode: raise when the experts stage saved the dispatch slot outside what production tracks."""
+    if unaccounted > 0:
+        raise BackendContractError(
+            "megatron-core",
+            "routed experts",
+            f"saved the dispatch slot for backward outside dispatch_postprocess and "
+            f"{type(readers[0]).__name__}.forward ({unaccounted} reference(s))",
+            hint="production mode tracks only those and would release the slot early; report this with the "
+            "megatron-core version",
+        )
 
 
 def _fc1_delays_wgrad(experts: Any) -> bool:
@@ -365,17 +477,21 @@ def _checked_passthrough(inst: Installation, name: str, stage: Callable[..., Any
     return tracked(pool, checked)
 
 
-def experts_tracking(inst: Installation, fn: Callable[..., Any], fc2: deque[Held]) -> Callable[..., Any]:
+def experts_tracking(
+    inst: Installation, fn: Callable[..., Any], fc2: deque[Held], *, whole: bool
+) -> Callable[..., Any]:
     """The experts' forward, tracked where it can save ring storage.
 
-    Production: only when it receives ring storage (the dispatch slot, read directly: a bf16 GEMM or
-    ``probs * hidden`` saves it). Debug: always, and a saved reference to an FC2 slot acquired
-    inside raises :class:`BackendContractError`: production relies on nothing after FC2 saving its
-    output (megatron-core 0.19.2: neither ``Fp8Unpadding`` nor the bias add does).
+    Production: ``whole`` (HybridEP, whose dispatch hook tracks nothing) tracks it when it receives
+    ring storage (the dispatch slot, read directly); otherwise (all-to-all) it is left as it is: the
+    dispatch hook tracks what reads the slot (:func:`dispatch_slot_readers`, or the whole experts
+    stage). Debug: always, and a saved reference to an FC2 slot acquired inside raises
+    :class:`BackendContractError`: production relies on nothing after FC2 saving its output
+    (megatron-core 0.19.2: neither ``Fp8Unpadding`` nor the bias add does).
     """
     pool = inst.pool
     if not pool.debug:
-        return tracked(pool, fn, pool.views_ring_storage)
+        return tracked(pool, fn, pool.views_ring_storage) if whole else fn
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -433,7 +549,7 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
         state.fc2.append(box.pop())
         return output, None
 
-    inst.override(experts, "forward", experts_tracking(inst, forward, state.fc2))
+    inst.override(experts, "forward", experts_tracking(inst, forward, state.fc2, whole=False))
     hook_fc2_release(inst, layer, state.fc2)
 
 
