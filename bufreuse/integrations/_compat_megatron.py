@@ -126,6 +126,18 @@ EXTRA: tuple[Assumption, ...] = (
         used_by="TE adapter, op-fuser route: output_buffer= (refused by name where absent)",
     ),
     Assumption(
+        module=_EXPERTS,
+        attr="SequentialMLP.forward",
+        params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"),
+        used_by="dispatch_slot_readers: the slot reaches each local MLP (a region around their linear_fc1 only)",
+    ),
+    Assumption(
+        module="megatron.core.transformer.mlp",
+        attr="MLP.forward",
+        params=("self", "hidden_states"),
+        used_by="dispatch_slot_readers: MLP.forward gives its input to linear_fc1 only",
+    ),
+    Assumption(
         module=_TE_EXT,
         attr="TEGroupedLinear.forward",
         params=("self", "x", "m_splits"),
