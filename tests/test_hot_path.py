@@ -400,19 +400,20 @@ def test_a_directly_read_dispatch_slot_is_tracked_only_where_it_is_read(
 ) -> None:
     """The experts read the dispatch slot directly (one local expert; at EP = 1 the sort is a no-op for eight):
     production regions only ``dispatch_postprocess`` and the experts' ``linear_fc1`` (what takes the slot, or a
-    split view of it), not the experts' other saved tensors; the release still waits for what FC1 saved. The
-    counts come from torch's own hooks on the bare layer."""
+    split view of it), not the experts' other saved tensors, once its first ``CHECKED_CALLS`` calls (the whole
+    stage tracked) found nothing saved elsewhere; debug mode checks every call. The release still waits for what
+    FC1 saved. The counts come from torch's own hooks on the bare layer, call by call."""
     from bufreuse.integrations.alltoall import hooks
 
     packs = _counting_packs(monkeypatch)
     layer = _layer(experts)
-    seeds = range(3)
+    seeds = range(hooks.CHECKED_CALLS + 3)
     ref = [_step(layer, s) for s in seeds]
     fc1s = [mlp.linear_fc1 for mlp in layer.experts.local_experts]
-    whole = _saves_inside(layer, [(layer, "routed_experts_compute")], seeds)
     stages = [(layer.token_dispatcher, "dispatch_postprocess"), *((fc1, "forward") for fc1 in fc1s)]
-    narrow = _saves_inside(layer, stages, seeds)
-    assert 0 < narrow < whole  # FC1 saves its input; the activation and FC2 save more
+    whole = [_saves_inside(layer, [(layer, "routed_experts_compute")], [s]) for s in seeds]
+    narrow = [_saves_inside(layer, stages, [s]) for s in seeds]
+    assert all(0 < n < w for n, w in zip(narrow, whole, strict=True))  # FC1 saves its input; the rest save more
     knobs = _knobs(expert=0)  # the dispatch ring alone: nothing else is tracked
     assert hooks.dispatch_slot_readers(layer) == tuple(fc1s)
 
@@ -424,13 +425,14 @@ def test_a_directly_read_dispatch_slot_is_tracked_only_where_it_is_read(
         return packs[0], pool.stats()[DISPATCH].deferred_releases, got
 
     n, deferred, got = run()
-    assert n == (whole if debug else narrow)  # debug mode tracks the whole stage (and checks, below)
+    checked = len(seeds) if debug else hooks.CHECKED_CALLS
+    assert n == sum(whole[:checked]) + sum(narrow[checked:])
     assert deferred == len(seeds)  # FC1 saved the slot: every release waited for its backward
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
-    # positive control: where the readers are not known, the whole stage is tracked as before
+    # positive control: where the readers are not known, the whole stage is tracked every call
     monkeypatch.setattr(hooks, "dispatch_slot_readers", lambda layer, inst=None: None)
     n, deferred, got = run()
-    assert n == whole and deferred == len(seeds)
+    assert n == sum(whole) and deferred == len(seeds)
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
 
 
@@ -446,47 +448,71 @@ def _two_in_flight(layer, seeds: tuple[int, int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("experts", [1, 8])
 def test_the_narrowed_release_waits_with_two_microbatches_in_flight(parallel, experts: int) -> None:
-    """Two slots, two forwards before either backward: a release that did not wait for FC1's saved slot would let
-    the second forward overwrite the first one's FC1 input before its weight gradient reads it."""
+    """Two slots, two forwards before either backward, after the checked calls (so the narrow regions alone count):
+    a release that did not wait for FC1's saved slot would let the second forward overwrite the first one's FC1
+    input before its weight gradient reads it."""
+    from bufreuse.integrations.alltoall import hooks
+
+    def run() -> list[torch.Tensor]:
+        for s in range(hooks.CHECKED_CALLS):  # the same calls before, hooked or not (the layer keeps state)
+            _step(layer, 10 + s)
+        return _two_in_flight(layer, (0, 1))
+
     layer = _layer(experts)
-    ref = _two_in_flight(layer, (0, 1))
+    ref = run()
+    layer = _layer(experts)
     pool = BufferPool("cpu")
     with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-        got = _two_in_flight(layer, (0, 1))
-    assert pool.stats()[DISPATCH].deferred_releases == 2 and pool.stats()[DISPATCH].peak_held == 2
+        got = run()
+    assert pool.stats()[DISPATCH].deferred_releases == hooks.CHECKED_CALLS + 2  # the checked calls, then these two
+    assert pool.stats()[DISPATCH].peak_held == 2
     assert len(got) == len(ref) > 4 and all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
-def test_debug_mode_raises_when_the_experts_save_the_dispatch_slot_elsewhere(parallel, monkeypatch) -> None:
-    """A megatron-core whose ``SequentialMLP.forward`` saves the slot before FC1: production's narrow regions cannot
-    see it (the release does not wait: the hazard), debug mode raises."""
+def test_a_save_outside_the_readers_is_caught_by_the_checked_calls(parallel, monkeypatch) -> None:
+    """A megatron-core whose ``SequentialMLP.forward`` saves the slot before FC1: production's first (checked) call
+    sees it, warns and tracks the whole stage from then on, so every release still waits; debug mode raises. A save
+    that starts only after the checked calls is the gap: production misses it, debug mode raises."""
+    import warnings
+
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from bufreuse.integrations.alltoall import hooks
+    from bufreuse.integrations.core import ReleaseRuleWarning
 
     layer = _layer(1)
-    # positive control: unpatched, debug mode passes and production defers every release
+    calls = hooks.CHECKED_CALLS + 2
+    # positive control: unpatched, nothing is reported and every release waits for FC1's save
     for debug in (False, True):
         pool = BufferPool("cpu", debug=debug)
-        with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-            _step(layer, 0)
-        assert pool.stats()[DISPATCH].deferred_releases == 1
+        with (
+            warnings.catch_warnings(),
+            install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+        ):
+            warnings.simplefilter("error", ReleaseRuleWarning)
+            for s in range(calls):
+                _step(layer, s)
+        assert pool.stats()[DISPATCH].deferred_releases == calls
     orig = SequentialMLP.forward
     scale = torch.ones((), requires_grad=True)
     saving = [True]
 
     def saving_forward(self, hidden, tokens_per_expert, probs):
         if saving[0]:
-            hidden = hidden * scale  # the multiply saves the slot for scale's gradient
+            hidden = hidden * scale  # the multiply saves the slot for scale's gradient; FC1 gets a copy
         return orig(self, hidden, tokens_per_expert, probs)
 
     saving_forward.__module__ = SequentialMLP.__module__  # as if megatron-core's own forward had changed
     monkeypatch.setattr(SequentialMLP, "forward", saving_forward)
     assert hooks.dispatch_slot_readers(layer) is not None  # the class check passes: megatron's own forward
     pool = BufferPool("cpu")
-    with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-        _step(layer, 0)
-    assert pool.stats()[DISPATCH].deferred_releases == 0  # FC1 got a copy; the multiply's save went unseen
+    with (
+        install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+        pytest.warns(ReleaseRuleWarning, match="tracking the whole experts stage of this layer"),
+    ):
+        for s in range(calls):
+            _step(layer, s)
+    assert pool.stats()[DISPATCH].deferred_releases == calls  # every multiply's save was counted, the first too
     debug = BufferPool("cpu", debug=True)
     with (
         install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
@@ -494,17 +520,34 @@ def test_debug_mode_raises_when_the_experts_save_the_dispatch_slot_elsewhere(par
     ):
         _step(layer, 0)
     debug.reset()
-    # the count is per layer call: clean calls first (two in flight, F F B B), then the saving one still raises
-    saving[0] = False
-    debug = BufferPool("cpu", debug=True)
-    with install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-        (y0, _), (y1, _) = _forward(layer, 0), _forward(layer, 1)
-        y0.sum().backward()
-        y1.sum().backward()
-        saving[0] = True
-        with pytest.raises(BackendContractError, match="saved the dispatch slot for backward outside"):
-            _step(layer, 2)
-    debug.reset()
+    # forwards without grad save nothing and do not use the checks up: the first grad-enabled call still finds it
+    pool = BufferPool("cpu")
+    with (
+        install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+        pytest.warns(ReleaseRuleWarning, match="tracking the whole experts stage of this layer"),
+    ):
+        with torch.no_grad():
+            for s in range(hooks.CHECKED_CALLS):
+                _forward(layer, s)
+        _step(layer, 5)
+    assert pool.stats()[DISPATCH].deferred_releases == 1  # the grad-enabled call's save was counted
+    # the gap: clean checked calls (two in flight, F F B B), then the save starts
+    for debug in (False, True):
+        saving[0] = False
+        pool = BufferPool("cpu", debug=debug)
+        with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
+            runs = [_forward(layer, s) for s in range(hooks.CHECKED_CALLS)]
+            for y, _ in runs:
+                y.sum().backward()
+            saving[0] = True
+            if debug:
+                with pytest.raises(BackendContractError, match="saved the dispatch slot for backward outside"):
+                    _step(layer, 9)
+                pool.reset()
+            else:
+                before = pool.stats()[DISPATCH].deferred_releases
+                _step(layer, 9)
+                assert pool.stats()[DISPATCH].deferred_releases == before  # the multiply's save went unseen
 
 
 def test_dispatch_slot_readers_fall_back_to_the_whole_stage(parallel) -> None:

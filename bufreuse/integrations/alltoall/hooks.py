@@ -17,8 +17,9 @@ the saved references those stages made to the slot (a bf16 expert GEMM's input w
 ``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
 deterministic algorithms), so it lands after the backward that reads them. Where the experts read the
 dispatch slot, the region covers only the modules that take it as input, known from megatron-core's classes
-(else the whole experts stage); nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2).
-Debug mode tracks the whole experts stage and raises if either ever changes.
+and checked on each layer's first calls against the whole experts stage (else the whole stage); nothing in
+the experts after FC2 saves FC2's output (megatron-core 0.19.2). Debug mode tracks the whole experts stage
+every call and raises if either ever changes.
 
 At EP = 1 the upstream all-to-all returns its input, and at EP x ETP = 1 the FC2 output is made and read on
 one stream: there is nothing for those rings to replace, so ``install()`` leaves them unclaimed (no ring
@@ -30,10 +31,12 @@ Functions doing the writes live in :mod:`bufreuse.integrations.alltoall.function
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bufreuse.config import static_bounds
 from bufreuse.errors import BackendContractError, ConfigError
@@ -46,16 +49,15 @@ from bufreuse.integrations.core import (
     CheckContext,
     Held,
     Installation,
+    ReleaseRuleWarning,
     Requirement,
     cfg_get,
-    reads_live,
     tracked,
 )
 
-if TYPE_CHECKING:
-    from bufreuse.pool import BufferPool
-
 __all__ = ["ADAPTER", "AllToAllAdapter"]
+
+_log = logging.getLogger("bufreuse.integrations")
 
 _ALLTOALL = frozenset({"alltoall"})
 
@@ -124,8 +126,14 @@ class _LayerState:
     fc2: deque[Held] = field(default_factory=deque)
     wgrad: deque[Any] | None = None
     """Holds on dispatch slots TE's wgrad store still reads, oldest first (delayed wgrad; else None)."""
+    narrow: bool = False
+    """Regions only around the slot's readers (:func:`dispatch_slot_readers`); else the whole experts stage."""
+    checks: int = 0
+    """Layer calls left whose whole experts stage is tracked and compared with the narrow regions (-1: every one)."""
+    counting: bool = False
+    """Inside such a call: the narrow regions add what they saved to ``known``."""
     known: int = 0
-    """Debug mode: saved references to the live dispatch slot made inside the stages production tracks."""
+    """Saved references to the live dispatch slot the narrow regions made in the call being checked."""
 
 
 class AllToAllAdapter:
@@ -184,7 +192,9 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     if getattr(disp, "shared_experts", None) is not None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
     readers = dispatch_slot_readers(layer, inst)
-    checked = pool.debug and readers is not None  # debug mode checks what production's narrow regions would miss
+    state.narrow = readers is not None
+    state.checks = (-1 if pool.debug else CHECKED_CALLS) if state.narrow else 0
+    run = pool.track_saved().run
     nccl = bool(getattr(disp, "use_nccl_stream", False))
     probs_kwargs = {"use_nccl_stream": nccl} if hasattr(disp, "use_nccl_stream") else {}
     box: list[Held] = []
@@ -198,25 +208,73 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         global_probs = all_to_all(disp.ep_group, probs, disp.output_splits, disp.input_splits, **probs_kwargs)
         return out, global_probs
 
+    def counted(fn: Callable[..., Any], held: Held, args: tuple, kwargs: dict) -> Any:
+        """In a checked call: ``fn`` in a region, what it saved from ``held`` added to ``state.known``."""
+        before = pool.saved_references(DISPATCH, held.tensor)
+        out = run(fn, args, kwargs)
+        state.known += pool.saved_references(DISPATCH, held.tensor) - before
+        return out
+
     def dispatch_postprocess(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
-        result = orig_post(hidden, probs)
         held = state.dispatch
-        if held is not None and not held.read_by(result[0]):
+        if held is None:
+            return orig_post(hidden, probs)
+        if not held.read_by(hidden):
+            result = orig_post(hidden, probs)
+        elif state.counting:
+            result = counted(orig_post, held, (hidden, probs), {})
+        else:
+            result = run(orig_post, (hidden, probs), {})
+        if not held.read_by(result[0]):
             state.dispatch = None
             held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
         return result
 
+    def reader(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A module that takes the slot (``linear_fc1``): in a region when it receives the live slot."""
+
+        @functools.wraps(fn)
+        def read(*args: Any, **kwargs: Any) -> Any:
+            held = state.dispatch
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            if held is None or not held.read_by(first):
+                return fn(*args, **kwargs)
+            if state.counting:
+                return counted(fn, held, args, kwargs)
+            return run(fn, args, kwargs)
+
+        return read
+
+    def checked_compute(held: Held, hidden: torch.Tensor, probs: torch.Tensor) -> tuple[Any, int]:
+        """The whole stage in a region, and how many references to ``held`` it saved beyond the narrow regions."""
+        before = pool.saved_references(DISPATCH, held.tensor)
+        state.known, state.counting = 0, True
+        try:
+            result = run(orig_compute, (hidden, probs), {})
+        finally:
+            state.counting = False
+        if state.dispatch is not held:  # the sort copied it: the experts never saw it, nothing to compare
+            return result, 0
+        extra = pool.saved_references(DISPATCH, held.tensor) - before - state.known
+        if extra > 0:
+            state.narrow, state.checks = False, 0  # this call was counted whole: its release stays exact
+        elif state.checks > 0:
+            state.checks -= 1
+        return result, extra
+
     def routed_experts_compute(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
-        before = 0
-        if checked and state.dispatch is not None:
-            before = pool.saved_references(DISPATCH, state.dispatch.tensor)
-            state.known = 0
-        result = orig_compute(hidden, probs)
+        held, extra = state.dispatch, 0
+        if held is None or not held.read_by(hidden):
+            result = orig_compute(hidden, probs)
+        elif not state.narrow:
+            result = run(orig_compute, (hidden, probs), {})  # the whole stage in a region
+        elif state.checks and (pool.debug or torch.is_grad_enabled()):  # nothing is saved without grad
+            result, extra = checked_compute(held, hidden, probs)
+        else:
+            result = orig_compute(hidden, probs)  # the narrow regions inside count what is saved
         held, state.dispatch = state.dispatch, None
         hold = None
         if held is not None:
-            if checked:
-                _check_readers(readers, pool.saved_references(DISPATCH, held.tensor) - before - state.known)
             # The experts read it directly. Whatever they saved from it (a bf16 GEMM's input,
             # probs * hidden under moe_apply_probs_on_input, TE's original input) was counted;
             # an FP8 GEMM saves its quantized copy and the release happens now. With delayed
@@ -228,24 +286,45 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
             # one entry per forward that will have a backward_dw (TE stores one per backward), a hold or
             # None, so the FIFO stays aligned when a microbatch released early (a copy, or no tokens)
             state.wgrad.append(hold)
+        if extra > 0:
+            _readers_missed(inst, layer, readers, extra)  # after the release (exact): debug mode raises
         return result
 
-    reads = reads_live(lambda: state.dispatch)
     inst.override(disp, "token_dispatch", token_dispatch)
-    if readers is None or pool.debug:
-        # the whole stage in a region; debug mode also counts what the narrow readers saved and checks
-        if checked:
-            for module in readers:
-                inst.override(module, "forward", _counted(pool, state, inst.original(module, "forward")))
-            dispatch_postprocess = _counted(pool, state, dispatch_postprocess)
-        inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
-        inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
-        return
-    # production with known readers: regions only around the stages and modules that take the slot itself
-    inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
-    for module in readers:
-        inst.override(module, "forward", tracked(pool, inst.original(module, "forward"), reads))
-    inst.override(layer, "routed_experts_compute", routed_experts_compute)
+    inst.override(disp, "dispatch_postprocess", functools.wraps(orig_post)(dispatch_postprocess))
+    for module in readers or ():
+        inst.override(module, "forward", reader(inst.original(module, "forward")))
+    inst.override(layer, "routed_experts_compute", functools.wraps(orig_compute)(routed_experts_compute))
+
+
+CHECKED_CALLS = 2
+"""Grad-enabled layer calls whose experts read the dispatch slot, per layer, that production runs with the whole
+experts stage in a region and compares with the narrow regions before trusting them (debug mode: every call)."""
+# Calls without grad save nothing, so they do not count; a save that depends on the data and does not happen in the
+# checked calls, or starts later (a hook added after them), is seen by debug mode only. Non-reentrant activation
+# checkpointing around the experts would see a checked forward and a narrow recompute: megatron-core's is reentrant.
+
+
+def _readers_missed(inst: Installation, layer: Any, readers: tuple[Any, ...] | None, extra: int) -> None:
+    """The experts saved the dispatch slot outside the narrow regions: debug mode raises, production warns."""
+    where = f"dispatch_postprocess and {type(readers[0]).__name__}.forward" if readers else "dispatch_postprocess"
+    number = getattr(layer, "layer_number", None)
+    name = f"{type(layer).__name__}" + (f" (layer {number})" if number is not None else "")
+    if inst.pool.debug:
+        raise BackendContractError(
+            "megatron-core",
+            "routed experts",
+            f"saved the dispatch slot for backward outside {where} ({extra} reference(s))",
+            hint="production mode would check its first calls, then track the whole experts stage of this layer; "
+            "report this with the megatron-core version",
+        )
+    msg = (
+        f"bufreuse: the experts of {name} saved the dispatch slot outside {where} ({extra} "
+        "reference(s)); tracking the whole experts stage of this layer from now on (megatron-core's experts "
+        "changed, or another tool wraps them; BUFREUSE_DEBUG=1 raises where it happens)"
+    )
+    _log.warning("%s", msg)
+    warnings.warn(msg, ReleaseRuleWarning, stacklevel=4)
 
 
 def dispatch_slot_readers(layer: Any, inst: Installation | None = None) -> tuple[Any, ...] | None:
@@ -261,9 +340,12 @@ def dispatch_slot_readers(layer: Any, inst: Installation | None = None) -> tuple
     (activation, FC2, probabilities) skip the pack hook. None where something else may read or save it:
     ``moe_apply_probs_on_input`` (``probs * hidden`` saves it), activation offloading and paged stashing
     (their own hooks), the op-fuser grouped MLP (one fused op), a ``forward`` that is not megatron's own
-    (a subclass's, a class-level patch, an instance attribute something other than ``inst`` set). Module
-    hooks and patches made after install are seen by debug mode only, which tracks the whole stage and
-    raises when anything outside these modules saved the slot (:func:`_check_readers`).
+    (a subclass's, a class-level patch, an instance attribute something other than ``inst`` set). What
+    the code reading cannot see (a module hook, a changed megatron-core) is checked by fact: each layer's
+    first :data:`CHECKED_CALLS` grad-enabled calls in which the experts receive the slot track the whole
+    stage and compare; a save found elsewhere makes that layer track the whole stage from then on, with
+    a warning (debug mode: every call, and it raises). A save that starts after those calls, or depends
+    on data those calls did not have, is seen by debug mode only.
     """
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
@@ -301,36 +383,6 @@ def dispatch_slot_readers(layer: Any, inst: Installation | None = None) -> tuple
             return None
         return tuple(m.linear_fc1 for m in mlps)
     return None
-
-
-def _counted(pool: BufferPool, state: _LayerState, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Debug mode: ``fn``, adding what it saved from the live dispatch slot to ``state.known``."""
-
-    @functools.wraps(fn)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        held = state.dispatch
-        if held is None:
-            return fn(*args, **kwargs)
-        before = pool.saved_references(DISPATCH, held.tensor)
-        out = fn(*args, **kwargs)
-        if state.dispatch is held:  # else released here (a sort copy): nothing downstream reads it
-            state.known += pool.saved_references(DISPATCH, held.tensor) - before
-        return out
-
-    return counted
-
-
-def _check_readers(readers: tuple[Any, ...], unaccounted: int) -> None:
-    """Debug mode: raise when the experts stage saved the dispatch slot outside what production tracks."""
-    if unaccounted > 0:
-        raise BackendContractError(
-            "megatron-core",
-            "routed experts",
-            f"saved the dispatch slot for backward outside dispatch_postprocess and "
-            f"{type(readers[0]).__name__}.forward ({unaccounted} reference(s))",
-            hint="production mode tracks only those and would release the slot early; report this with the "
-            "megatron-core version",
-        )
 
 
 def _fc1_delays_wgrad(experts: Any) -> bool:
