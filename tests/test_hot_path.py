@@ -550,6 +550,68 @@ def test_a_save_outside_the_readers_is_caught_by_the_checked_calls(parallel, mon
                 assert pool.stats()[DISPATCH].deferred_releases == before  # the multiply's save went unseen
 
 
+def test_one_region_per_layer_call_where_the_experts_read_the_dispatch_slot(parallel) -> None:
+    """Narrowed, ``dispatch_postprocess`` (which hands the slot on) opens no region: FC1's is the one per layer call,
+    nested in nothing; the checked calls' whole-stage region is one too."""
+    from bufreuse.integrations.alltoall import hooks
+
+    layer = _layer(1)
+    pool = BufferPool("cpu")
+    tracker = pool.track_saved()
+    with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
+        before = tracker.regions
+        for s in range(hooks.CHECKED_CALLS + 4):
+            _step(layer, s)
+        regions = tracker.regions - before
+    assert regions == hooks.CHECKED_CALLS + 4
+    # positive control: with the FC2 ring too, each call's first copying combine stage adds one
+    pool = BufferPool("cpu")
+    tracker = pool.track_saved()
+    with install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True):
+        before = tracker.regions
+        for s in range(hooks.CHECKED_CALLS + 4):
+            _step(layer, s)
+        assert tracker.regions - before == 2 * (hooks.CHECKED_CALLS + 4)
+
+
+def test_a_dispatch_postprocess_that_copies_after_all_ends_the_narrowing(parallel) -> None:
+    """The readers were judged from the dispatcher's sizes; a ``dispatch_postprocess`` that copies anyway (here a
+    patched instance) is seen on the first checked call: a warning, every stage tracked from then on (debug: raises)."""
+    from bufreuse.integrations.core import ReleaseRuleWarning
+
+    layer = _layer(1)
+    disp = layer.token_dispatcher
+    orig = disp.dispatch_postprocess
+
+    def copying(hidden, probs):
+        out = orig(hidden, probs)
+        return (out[0].clone(), *out[1:])
+
+    disp.dispatch_postprocess = copying
+    try:
+        pool = BufferPool("cpu")
+        tracker = pool.track_saved()
+        with (
+            install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+            pytest.warns(ReleaseRuleWarning, match="copied the dispatch slot"),
+        ):
+            before = tracker.regions
+            for s in range(4):
+                _step(layer, s)
+            regions = tracker.regions - before
+        assert regions == 4  # one per call: the checked call's, then the whole stage's
+        assert pool.stats()[DISPATCH].releases == 4
+        debug = BufferPool("cpu", debug=True)
+        with (
+            install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+            pytest.raises(BackendContractError, match="copied the dispatch slot"),
+        ):
+            _step(layer, 0)
+        debug.reset()
+    finally:
+        del disp.dispatch_postprocess
+
+
 def test_dispatch_slot_readers_fall_back_to_the_whole_stage(parallel) -> None:
     """Readers are known only for the stock classes: anything that may read the slot elsewhere tracks everything."""
     from megatron.core.transformer.moe.experts import SequentialMLP

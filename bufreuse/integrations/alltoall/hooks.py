@@ -219,15 +219,18 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         held = state.dispatch
         if held is None:
             return orig_post(hidden, probs)
-        if not held.read_by(hidden):
+        if state.narrow or not held.read_by(hidden):
+            # narrow: it hands the slot on (no gather, no sort copy: dispatch_slot_readers), so no region; a checked
+            # call runs inside the whole stage's, where anything it saved counts against the narrow regions
             result = orig_post(hidden, probs)
-        elif state.counting:
-            result = counted(orig_post, held, (hidden, probs), {})
         else:
             result = run(orig_post, (hidden, probs), {})
         if not held.read_by(result[0]):
             state.dispatch = None
             held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
+            if state.narrow:  # it copied after all: only a checked call (the whole stage in a region) saw it all
+                state.narrow, state.checks = False, 0
+                _copied_before_the_experts(inst, layer, checked=state.counting)
         return result
 
     def reader(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -303,6 +306,19 @@ experts stage in a region and compares with the narrow regions before trusting t
 # Calls without grad save nothing, so they do not count; a save that depends on the data and does not happen in the
 # checked calls, or starts later (a hook added after them), is seen by debug mode only. Non-reentrant activation
 # checkpointing around the experts would see a checked forward and a narrow recompute: megatron-core's is reentrant.
+
+
+def _copied_before_the_experts(inst: Installation, layer: Any, *, checked: bool) -> None:
+    """``dispatch_postprocess`` copied the slot where :func:`dispatch_slot_readers` expected it to pass through."""
+    msg = (
+        f"bufreuse: {type(layer).__name__}'s dispatch_postprocess copied the dispatch slot where the experts were "
+        "expected to read it; tracking every stage of this layer from now on"
+        + ("" if checked else " (this call's release did not count what that stage saved)")
+    )
+    if inst.pool.debug:
+        raise BackendContractError("megatron-core", "dispatch_postprocess", msg)
+    _log.warning("%s", msg)
+    warnings.warn(msg, ReleaseRuleWarning, stacklevel=4)
 
 
 def _readers_missed(inst: Installation, layer: Any, readers: tuple[Any, ...] | None, extra: int) -> None:
