@@ -219,16 +219,14 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         held = state.dispatch
         if held is None:
             return orig_post(hidden, probs)
-        if state.narrow or not held.read_by(hidden):
-            # narrow: it hands the slot on (no gather, no sort copy: dispatch_slot_readers), so no region; a checked
-            # call runs inside the whole stage's, where anything it saved counts against the narrow regions
-            result = orig_post(hidden, probs)
-        else:
-            result = run(orig_post, (hidden, probs), {})
+        slot_in = held.read_by(hidden)  # False for an empty one (a rank that received no tokens)
+        # narrow: it hands the slot on (no gather, no sort copy: dispatch_slot_readers), so no region; a checked
+        # call runs inside the whole stage's, where anything it saved counts against the narrow regions
+        result = orig_post(hidden, probs) if state.narrow or not slot_in else run(orig_post, (hidden, probs), {})
         if not held.read_by(result[0]):
             state.dispatch = None
             held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
-            if state.narrow:  # it copied after all: only a checked call (the whole stage in a region) saw it all
+            if state.narrow and slot_in:  # it copied after all: only a checked call (whole, in a region) saw it all
                 state.narrow, state.checks = False, 0
                 _copied_before_the_experts(inst, layer, checked=state.counting)
         return result
