@@ -34,8 +34,8 @@ def _routing():
     return hidden, routing, probs
 
 
-def _pool(name: str, rows: int, cols: int) -> BufferPool:
-    pool = BufferPool("cpu")
+def _pool(name: str, rows: int, cols: int, native: bool | None = None) -> BufferPool:
+    pool = BufferPool("cpu", native=native)
     pool.register(name, policy="ring", num_slots=2, max_shape=(rows, cols), dtype=torch.float32)
     return pool
 
@@ -208,14 +208,19 @@ def test_te_module_route_under_the_hook_clock(monkeypatch, empty: bool) -> None:
     inst.uninstall()
 
 
-def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["c-route", "python-route"])
+def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back(native: bool) -> None:
+    """Both routes check the storage TE returned: the C one (production, where it builds) and the Python one."""
     from bufreuse.config import BufReuseConfig
     from bufreuse.integrations.core import Installation
-    from bufreuse.integrations.te.out_route import Fc2Route, route_into_ring
+    from bufreuse.integrations.te.out_route import Fc2Route, native_routing_forward, route_into_ring
 
     hidden, _, _ = _routing()
     name = "expert_fc2_output"
-    pool = _pool(name, BOUND, 8)
+    pool = _pool(name, BOUND, 8, native=native)
+    if native and native_routing_forward(pool) is None:
+        pytest.skip("the C hot path did not build here (bufreuse.native.status() says why)")
+    assert (native_routing_forward(pool) is None) is not native
     fc2 = _MegatronTEGroupedLinear(4, HIDDEN, 8)
 
     def ignores_out(self, inp, m_splits, *args, out=None, **kwargs):
