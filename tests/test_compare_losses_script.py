@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "examples" / "megatron-h200" / "h200-2026-12-02"
-_spec = importlib.util.spec_from_file_location("compare_losses", ROOT / "scripts" / "compare_losses.py")
-assert _spec is not None and _spec.loader is not None
-cl = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("compare_losses", cl)  # dataclasses look their module up
-_spec.loader.exec_module(cl)
+cl = load_script("compare_losses")
 
 
 def _log(path: Path, losses: dict[int, str], *, partial: str | None = None) -> Path:

@@ -469,6 +469,17 @@ def test_the_narrowed_release_waits_with_two_microbatches_in_flight(parallel, ex
     assert len(got) == len(ref) > 4 and all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
+def _debug_mode_raises(layer, match: str) -> None:
+    """One layer call in debug mode with the dispatch ring exercised raises ``BackendContractError`` (``match``)."""
+    debug = BufferPool("cpu", debug=True)
+    with (
+        install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
+        pytest.raises(BackendContractError, match=match),
+    ):
+        _step(layer, 0)
+    debug.reset()
+
+
 def test_a_save_outside_the_readers_is_caught_by_the_checked_calls(parallel, monkeypatch) -> None:
     """A megatron-core whose ``SequentialMLP.forward`` saves the slot before FC1: production's first (checked) call
     sees it, warns and tracks the whole stage from then on, so every release still waits; debug mode raises. A save
@@ -513,13 +524,7 @@ def test_a_save_outside_the_readers_is_caught_by_the_checked_calls(parallel, mon
         for s in range(calls):
             _step(layer, s)
     assert pool.stats()[DISPATCH].deferred_releases == calls  # every multiply's save was counted, the first too
-    debug = BufferPool("cpu", debug=True)
-    with (
-        install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-        pytest.raises(BackendContractError, match="saved the dispatch slot for backward outside"),
-    ):
-        _step(layer, 0)
-    debug.reset()
+    _debug_mode_raises(layer, "saved the dispatch slot for backward outside")
     # forwards without grad save nothing and do not use the checks up: the first grad-enabled call still finds it
     pool = BufferPool("cpu")
     with (
@@ -601,13 +606,7 @@ def test_a_dispatch_postprocess_that_copies_after_all_ends_the_narrowing(paralle
             regions = tracker.regions - before
         assert regions == 4  # one per call: the checked call's, then the whole stage's
         assert pool.stats()[DISPATCH].releases == 4
-        debug = BufferPool("cpu", debug=True)
-        with (
-            install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-            pytest.raises(BackendContractError, match="copied the dispatch slot"),
-        ):
-            _step(layer, 0)
-        debug.reset()
+        _debug_mode_raises(layer, "copied the dispatch slot")
     finally:
         del disp.dispatch_postprocess
 

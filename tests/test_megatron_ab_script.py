@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,14 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "examples" / "megatron-h200" / "h200-2026-12-03-te"
-_spec = importlib.util.spec_from_file_location("megatron_ab_summary", ROOT / "scripts" / "megatron_ab_summary.py")
-assert _spec is not None and _spec.loader is not None
-summ = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("megatron_ab_summary", summ)
-_spec.loader.exec_module(summ)
+summ = load_script("megatron_ab_summary")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

@@ -3,22 +3,13 @@ docs/benchmarks.md; the counts themselves are derived independently in tests/tes
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "narrow_cost.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("narrow_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_module import load_script
 
 
 def test_narrow_cost_reports_both_regions_and_restores_the_readers(tmp_path) -> None:
@@ -26,7 +17,7 @@ def test_narrow_cost_reports_both_regions_and_restores_the_readers(tmp_path) -> 
 
     real = hooks.dispatch_slot_readers
     out = tmp_path / "n.json"
-    assert _load().main(["--cycles", "3", "--steps", "1", "--json", str(out)]) == 0
+    assert load_script("narrow_cost").main(["--cycles", "3", "--steps", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     packs = data["packs_per_layer_call"]
     assert 0 < packs["narrow"] < packs["whole"]  # the whole stage packs the experts' other saved tensors too
@@ -37,5 +28,5 @@ def test_narrow_cost_reports_both_regions_and_restores_the_readers(tmp_path) -> 
 
 
 def test_narrow_cost_refuses_too_few_cycles(capsys) -> None:
-    assert _load().main(["--cycles", "2"]) == 2
+    assert load_script("narrow_cost").main(["--cycles", "2"]) == 2
     assert "--cycles must be >= 3" in capsys.readouterr().err

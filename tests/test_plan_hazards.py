@@ -75,13 +75,9 @@ def test_every_cycle_is_listed_when_asked():
 
 
 def test_deadlock_demo_schedule_is_predicted_at_slot_zero():
-    import importlib.util
-    from pathlib import Path
+    from script_module import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_deadlock_demo.py"
-    spec = importlib.util.spec_from_file_location("plan_deadlock_demo", path)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_script("plan_deadlock_demo")
     ops = demo.planned_ops()
     assert max(d.peak for d in ring_depths(ops).values()) == 3
     cycle = find_hazards(ops, {"dispatch": 2}).cycles[0]

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "region_cost.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("region_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_module import load_script
 
 
 def test_region_cost_counts_the_saved_tensors_and_reports_every_arm(tmp_path) -> None:
     out = tmp_path / "r.json"
-    assert _load().main(["--blocks", "3", "--calls", "20", "--json", str(out)]) == 0
+    assert load_script("region_cost").main(["--blocks", "3", "--calls", "20", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     # the product saves both of its inputs for backward: the identity hooks saw at least those two
     assert data["saved_tensors_per_call"] >= 2
@@ -35,5 +26,5 @@ def test_region_cost_counts_the_saved_tensors_and_reports_every_arm(tmp_path) ->
 
 
 def test_region_cost_refuses_too_few_blocks(capsys) -> None:
-    assert _load().main(["--blocks", "2"]) == 2
+    assert load_script("region_cost").main(["--blocks", "2"]) == 2
     assert "--blocks must be >= 3" in capsys.readouterr().err

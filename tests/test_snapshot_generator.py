@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from script_module import load_script
 
 from bufreuse.analysis.snapshot.load import normalise
 from bufreuse.analysis.snapshot.report import ReportConfig, analyze
 
-_spec = importlib.util.spec_from_file_location(
-    "gen_big_snapshot", Path(__file__).parent.parent / "scripts" / "gen_big_snapshot.py"
-)
-gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen)
+gen = load_script("gen_big_snapshot")
 
 
 def test_generator_shape_matches_the_benchmark_spec() -> None:

@@ -193,6 +193,7 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
     readers = dispatch_slot_readers(layer, inst)
     state.narrow = readers is not None
+    reader_name = f"{type(readers[0]).__name__}.forward" if readers else ""  # for the report of a missed save
     state.checks = (-1 if pool.debug else CHECKED_CALLS) if state.narrow else 0
     run = pool.track_saved().run
     nccl = bool(getattr(disp, "use_nccl_stream", False))
@@ -228,7 +229,10 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
             held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
             if state.narrow and slot_in:  # it copied after all: only a checked call (whole, in a region) saw it all
                 state.narrow, state.checks = False, 0
-                _copied_before_the_experts(inst, layer, checked=state.counting)
+                unseen = "" if state.counting else " (this call's release did not count what it saved)"
+                _narrowing_ends(
+                    inst, layer, "dispatch_postprocess", f"copied the dispatch slot the experts were to read{unseen}"
+                )
         return result
 
     def reader(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -287,8 +291,9 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
             # one entry per forward that will have a backward_dw (TE stores one per backward), a hold or
             # None, so the FIFO stays aligned when a microbatch released early (a copy, or no tokens)
             state.wgrad.append(hold)
-        if extra > 0:
-            _readers_missed(inst, layer, readers, extra)  # after the release (exact): debug mode raises
+        if extra > 0:  # after the release (exact): debug mode raises
+            what = f"saved the dispatch slot for backward outside {reader_name} ({extra} reference(s))"
+            _narrowing_ends(inst, layer, "routed experts", what)
         return result
 
     inst.override(disp, "token_dispatch", token_dispatch)
@@ -306,36 +311,22 @@ experts stage in a region and compares with the narrow regions before trusting t
 # checkpointing around the experts would see a checked forward and a narrow recompute: megatron-core's is reentrant.
 
 
-def _copied_before_the_experts(inst: Installation, layer: Any, *, checked: bool) -> None:
-    """``dispatch_postprocess`` copied the slot where :func:`dispatch_slot_readers` expected it to pass through."""
-    msg = (
-        f"bufreuse: {type(layer).__name__}'s dispatch_postprocess copied the dispatch slot where the experts were "
-        "expected to read it; tracking every stage of this layer from now on"
-        + ("" if checked else " (this call's release did not count what that stage saved)")
-    )
-    if inst.pool.debug:
-        raise BackendContractError("megatron-core", "dispatch_postprocess", msg)
-    _log.warning("%s", msg)
-    warnings.warn(msg, ReleaseRuleWarning, stacklevel=4)
-
-
-def _readers_missed(inst: Installation, layer: Any, readers: tuple[Any, ...] | None, extra: int) -> None:
-    """The experts saved the dispatch slot outside the narrow regions: debug mode raises, production warns."""
-    where = f"dispatch_postprocess and {type(readers[0]).__name__}.forward" if readers else "dispatch_postprocess"
-    number = getattr(layer, "layer_number", None)
-    name = f"{type(layer).__name__}" + (f" (layer {number})" if number is not None else "")
+def _narrowing_ends(inst: Installation, layer: Any, stage: str, what: str) -> None:
+    """The narrow regions' premise failed on ``layer`` (``stage`` did ``what``): debug mode raises; production
+    warns, and the caller tracks the layer's whole experts stage from then on."""
     if inst.pool.debug:
         raise BackendContractError(
             "megatron-core",
-            "routed experts",
-            f"saved the dispatch slot for backward outside {where} ({extra} reference(s))",
-            hint="production mode would check its first calls, then track the whole experts stage of this layer; "
-            "report this with the megatron-core version",
+            stage,
+            what,
+            hint="production mode checks each layer's first calls and tracks the whole experts stage of a layer where "
+            "this happens; report this with the megatron-core version",
         )
+    number = getattr(layer, "layer_number", None)
+    name = type(layer).__name__ + (f" (layer {number})" if number is not None else "")
     msg = (
-        f"bufreuse: the experts of {name} saved the dispatch slot outside {where} ({extra} "
-        "reference(s)); tracking the whole experts stage of this layer from now on (megatron-core's experts "
-        "changed, or another tool wraps them; BUFREUSE_DEBUG=1 raises where it happens)"
+        f"bufreuse: {name}: {stage} {what}; tracking the whole experts stage of this layer from now on "
+        "(megatron-core's experts changed, or another tool wraps them; BUFREUSE_DEBUG=1 raises where it happens)"
     )
     _log.warning("%s", msg)
     warnings.warn(msg, ReleaseRuleWarning, stacklevel=4)
