@@ -5,15 +5,10 @@
 #
 #   bash scripts/h200-evidence.sh tests         # TE install; every gpu-marked test
 #   bash scripts/h200-evidence.sh bench NAME... # `bench layer` runs by name ([old-]host|gpu-pad|dropless-bf16|fp8);
-#                                               # ROUNDS (10), HOOK_ROUNDS, HOOK_TIME=0, ADDED_PAIRS, STEPS, GC=manual,
-#                                               # POLICIES, PROFILE=0 (no --profile), DISPATCH_RING=1
-#                                               # (--dispatch-ring) tune it; a py- NAME
-#                                               # runs BUFREUSE_NATIVE=0 (the Python hot path)
-#   bash scripts/h200-evidence.sh costs         # torch_call_costs.py; region_cost.py --device cuda, this checkout
-#                                               # and .old (carry it): new, old, old, new, then BUFREUSE_NATIVE=0;
-#                                               # narrow_cost.py --spec te, bf16 and fp8
+#                                               # ROUNDS (10), STEPS, GC=manual, POLICIES, DISPATCH_RING=1
+#                                               # (--dispatch-ring) tune it
 #   bash scripts/h200-evidence.sh tests-bench   # TE install; DeepEP build in the background; every gpu-marked
-#                                               # test; the HybridEP probe + test; `bench layer` with --profile
+#                                               # test; the HybridEP probe + test; `bench layer` at both presets
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
 #                                               # Megatron-LM A/B rounds ROUND_FROM..ROUND_TO (default families
 #                                               # gb-te-pad gb-te-graph), ITERS=60 per run, logs tarred
@@ -25,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests-bench or ab}
+stage=${1:?stage: tests, bench, tests-bench, ab or prof}
 shift
 work=/tmp/evidence-$stage
 rm -rf "$work" && mkdir -p "$work"
@@ -38,7 +33,6 @@ te_env() {
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} BUFREUSE_REQUIRE_TE=1
   # shellcheck source=scripts/device-env.sh
   source scripts/device-env.sh
-  log "C hot path: $(python3 -c 'from bufreuse.native import status; print(status())' 2>&1 | tail -1)"
 }
 
 machine_facts() {
@@ -75,9 +69,9 @@ case $stage in
       timeout -k 10 150 python3 -m bufreuse bench layer "$@" --json --output "$work/bl-$name.json" \
         --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench layer $name exit $?"
     }
-    bl host-pad-bf16 --preset host-bound --spec te --pad --rounds 20 --profile
-    bl host-bf16 --preset host-bound --spec te --rounds 10 --profile
-    bl host-pad-fp8 --preset host-bound --spec te --precision fp8 --pad --rounds 10 --profile
+    bl host-pad-bf16 --preset host-bound --spec te --pad --rounds 20
+    bl host-bf16 --preset host-bound --spec te --rounds 10
+    bl host-pad-fp8 --preset host-bound --spec te --precision fp8 --pad --rounds 10
     bl gpu-pad-bf16 --preset gpu-bound --spec te --pad --rounds 10
     ;;
   tests)
@@ -89,8 +83,7 @@ case $stage in
   bench)
     # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;
     # old- runs the checkout in .old/ (carry it) with the same arguments, for a before/after of the same method
-    # (OLD_ARGS=same: the flags newer than some old checkouts too: HOOK_TIME, ADDED_PAIRS, GC, POLICIES);
-    # py- runs it with BUFREUSE_NATIVE=0 (the Python hot path)
+    # (OLD_ARGS=same: the flags newer than some old checkouts too: GC, POLICIES)
     te_env
     declare -A seen=()
     for arg in "$@"; do
@@ -100,48 +93,16 @@ case $stage in
       py=(python3); n=$arg
       # -P: the working directory (this checkout) does not shadow .old on sys.path
       if [[ $n == old-* ]]; then py=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH" python3 -P); n=${n#old-}; fi
-      # py-: the Python hot path throughout (BUFREUSE_NATIVE=0: no C struct bases either), for C vs Python A B B A
-      if [[ $n == py-* ]]; then py=(env BUFREUSE_NATIVE=0 python3); n=${n#py-}; fi
       IFS=- read -r preset routing precision <<<"$n"
       args=(--preset "$preset-bound" --spec te --precision "$precision" --rounds "${ROUNDS:-10}")
       [ "$routing" = pad ] && args+=(--pad)
-      [ "$preset" = host ] && [ "${PROFILE:-1}" = 1 ] && args+=(--profile)
-      [ -n "${HOOK_ROUNDS:-}" ] && args+=(--hook-rounds "$HOOK_ROUNDS")
       [ -n "${STEPS:-}" ] && args+=(--steps "$STEPS")
-      [ "${HOOK_TIME:-1}" = 0 ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--no-hook-time)
-      [ -n "${ADDED_PAIRS:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--added-pairs "$ADDED_PAIRS")
       [ -n "${GC:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--gc "$GC")
       [ -n "${POLICIES:-}" ] && { [[ $arg != old-* ]] || [ "${OLD_ARGS:-}" = same ]; } && args+=(--policies "$POLICIES")
       [ "${DISPATCH_RING:-0}" = 1 ] && [[ $arg != old-* ]] && args+=(--dispatch-ring)  # old checkouts lack it
       log "bench layer $name"
       timeout -k 10 "${BENCH_TIMEOUT:-130}" "${py[@]}" -m bufreuse bench layer "${args[@]}" --json \
         --output "$work/bl-$name.json" --plot "$work/bl-$name.png" >"$work/bl-$name.log" 2>&1 || log "bench $name exit $?"
-    done
-    ;;
-  costs)
-    # the warm cost of torch's calls, and of a saved-tensor region and the ring's deferred release cycle
-    # (scripts/region_cost.py --device cuda): this checkout and .old (carry it) in the order new, old, old, new, then
-    # the Python hot path of this checkout; each JSON records the commit that ran
-    te_env
-    log "torch call costs"
-    timeout -k 10 60 python3 scripts/torch_call_costs.py "$work/torch-call-costs.json" >"$work/torch-call-costs.txt" 2>&1 \
-      || log "torch_call_costs exit $?"
-    k=0
-    for which in new old old new py; do
-      k=$((k + 1))
-      py=(python3); [ "$which" = old ] && py=(env "PYTHONPATH=$PWD/.old:$PYTHONPATH" python3 -P)
-      [ "$which" = py ] && py=(env BUFREUSE_NATIVE=0 python3)
-      [ "$which" = old ] && [ ! -d .old/bufreuse ] && { log "region cost $k-$which: no .old/bufreuse"; continue; }
-      log "region cost $k-$which"
-      timeout -k 10 "${REGION_TIMEOUT:-90}" "${py[@]}" "$PWD/scripts/region_cost.py" --device cuda \
-        --json "$work/region-cost-$k-$which.json" >"$work/region-cost-$k-$which.txt" 2>&1 || log "region cost exit $?"
-    done
-    # the dispatch slot's narrow regions against the whole experts stage, TE spec, one expert (scripts/narrow_cost.py)
-    for prec in bf16 fp8; do
-      log "narrow cost te $prec"
-      timeout -k 10 "${NARROW_TIMEOUT:-120}" python3 scripts/narrow_cost.py --spec te --precision "$prec" \
-        --device cuda --preset host-bound --json "$work/narrow-cost-te-$prec.json" >"$work/narrow-cost-te-$prec.txt" \
-        2>&1 || log "narrow cost exit $?"
     done
     ;;
   prof)
@@ -194,7 +155,7 @@ case $stage in
       done
     done
     ;;
-  *) sed -n '2,14p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,18p' "$0" >&2; exit 2 ;;
 esac
 log "done; tarring"
 tar -czf "$OUT/$stage-$(date -u +%H%M%S).tar.gz" -C "$work" .
