@@ -183,31 +183,6 @@ def test_te_module_route_writes_fc2_into_the_ring_and_leaves_other_modules_alone
     assert not pool.is_ring_storage(y2) and pool.stats()[name].acquisitions == 1
 
 
-@pytest.mark.parametrize("empty", [False, True], ids=["timed", "stand-in"])
-def test_te_module_route_under_the_hook_clock(monkeypatch, empty: bool) -> None:
-    """``bench layer --hook-time``: the shim is timed as one hook entry calling TE's forward as one original; in a
-    stand-in round it is an empty frame calling TE's forward unchanged (no slot, TE allocates, as the control)."""
-    from bufreuse.bench.hook_time import HookClock
-    from bufreuse.config import BufReuseConfig
-    from bufreuse.integrations import core
-    from bufreuse.integrations.core import Installation
-    from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
-
-    hidden, splits, name, pool, fc2, ref = _fc2_case()
-    clock, got = HookClock(empty=empty), []
-    monkeypatch.setattr(core, "INSTRUMENT", clock)
-    inst = Installation(pool=pool, knobs=BufReuseConfig(), tokens=TOKENS)
-    route_into_ring(inst, fc2, Fc2Route(pool, name, 8, got, inst.original(out_route_class(type(fc2)), "forward")))
-    monkeypatch.setattr(core, "INSTRUMENT", None)
-    y, _ = fc2(hidden, splits)
-    assert torch.equal(y, ref) and clock.entries == 1 and clock.originals == 1
-    assert pool.is_ring_storage(y) is (not empty) and len(got) == (0 if empty else 1)
-    assert pool.stats()[name].acquisitions == (0 if empty else 1)
-    for held in got:
-        held.release()
-    inst.uninstall()
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["c-route", "python-route"])
 def test_te_module_route_refuses_a_te_that_ignores_out_and_gives_the_slot_back(native: bool) -> None:
     """Both routes check the storage TE returned: the C one (production, where it builds) and the Python one."""

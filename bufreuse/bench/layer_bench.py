@@ -33,14 +33,12 @@ import contextlib
 import datetime as _dt
 import gc
 import math
-import os
 import platform
 import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,20 +120,6 @@ class LayerBenchConfig:
     so host µs is Python and launches alone. CPU always runs pad mode."""
     preset: str | None = None
     """The preset the shape came from (recorded; :func:`layer_config` applies it)."""
-    profile: bool = False
-    """After the rounds, one cProfile'd round per arm: where the host time goes (see :func:`_profile_arm`)."""
-    hook_time: bool = True
-    """After the rounds, instrumented rounds per hooked arm: the hooks' own host µs per layer call
-    (:mod:`bufreuse.bench.hook_time`; see :func:`_hook_time_arm`)."""
-    hook_rounds: int = 3
-    """Instrumented rounds per hooked arm (arms interleaved); the figure is their median, with the range."""
-    added_time: bool = True
-    """After the rounds, pairs of schedules of a hooked and a plain layer (the bench's and a twin, swapping roles
-    halfway) with one span timer at the hooks' entry points in both: the host µs the hooks add per layer call over
-    the control (:mod:`bufreuse.bench.added_time`)."""
-    added_pairs: int = 64
-    """Control / arm schedule pairs per hooked arm for ``added_time`` (A B B A); a multiple of 4, >= 8 for an
-    interval (over A B B A groups)."""
     dispatch_ring: bool = False
     """Also exercise the dispatch buffer at EP = 1 (``install(ring_identity_dispatch=True)``, every policy arm), as
     where it is used (EP > 1): its hooks' host time joins the expert buffer's. At EP = 1 the ring's all-to-all is
@@ -207,21 +191,14 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
         raise InputError(f"--precision must be bf16 or fp8, got {cfg.precision!r}")
     if cfg.schedule not in SCHEDULES:
         raise InputError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.profile:
-        _check_profiler()
     bad = [p for p in cfg.policies if p not in ARMS]
     if bad or not cfg.policies or len(set(cfg.policies)) != len(cfg.policies):
         raise InputError(f"--policies: a comma list of distinct {', '.join(ARMS)}, got {','.join(cfg.policies)!r}")
-    for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots", "hook_rounds",
-                 "added_pairs"):  # fmt: skip
+    for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots"):
         if getattr(cfg, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.rounds < 2 or cfg.rounds % 2:
         raise InputError(f"--rounds must be even and >= 2 (A B B A cycles), got {cfg.rounds}")
-    if cfg.added_pairs % 4:
-        raise InputError(
-            f"--added-pairs must be a multiple of 4 (two halves, each whole A B B A groups), got {cfg.added_pairs}"
-        )
     if cfg.warmup < 0:
         raise InputError(f"--warmup must be >= 0, got {cfg.warmup}")
     if cfg.topk > cfg.experts:
@@ -238,9 +215,28 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
         raise InputError("--spec te needs a CUDA device (Transformer Engine runs on GPUs); use --spec local on CPU")
     if cfg.precision == "fp8" and cfg.spec != "te":
         raise InputError("--precision fp8 needs --spec te (megatron's FP8 GEMMs are Transformer Engine's)")
+    _check_megatron()
     if cfg.spec == "te":
         _check_te(cfg)
     return device
+
+
+MEGATRON_MISSING = (
+    "bench layer runs a real megatron-core MoELayer, and megatron-core is not installed: "
+    "pip install 'bufreuse[megatron]' (on Python 3.11: bash scripts/ci/install-megatron.sh)"
+)
+
+
+def _check_megatron() -> None:
+    """Refuse in one line, naming the extra to install, where megatron-core is missing or does not import."""
+    try:
+        import megatron.core  # noqa: F401
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "megatron":  # installed, but a dependency of it is missing
+            raise InputError(f"bench layer needs megatron-core, and importing it failed ({e})") from None
+        raise InputError(MEGATRON_MISSING) from None
+    except Exception as e:  # an installed megatron-core that fails to import
+        raise InputError(f"bench layer needs megatron-core, and importing it failed ({e})") from None
 
 
 def _check_te(cfg: LayerBenchConfig) -> None:
@@ -403,30 +399,24 @@ def _knobs(policy: str, slots: int) -> BufReuseConfig:
 
 
 @contextlib.contextmanager
-def _installed(
-    layer: Any, arm: str, cfg: LayerBenchConfig, device: torch.device, during: Any = contextlib.nullcontext
-) -> Iterator[Any]:
-    """``arm``'s hooks on a fresh production-mode pool for the block (None and nothing for ``control``).
-
-    ``during()``: a context open while the pool is built and ``install()`` runs (the hook-time instrumentation).
-    """
+def _installed(layer: Any, arm: str, cfg: LayerBenchConfig, device: torch.device) -> Iterator[Any]:
+    """``arm``'s hooks on a fresh production-mode pool for the block (None and nothing for ``control``)."""
     if arm == "control":
         yield None
         return
     from bufreuse.integrations.megatron import install
     from bufreuse.pool import BufferPool
 
-    with during():
-        inst = install(
-            layer,
-            BufferPool(device, debug=False),
-            _knobs("ring" if arm == AS_INSTALLED else arm, cfg.slots),
-            tokens=cfg.tokens,
-            num_microbatches=cfg.microbatches,
-            # EP x ETP = 1 leaves the expert ring unused: measure it as where it is used, but as-installed
-            ring_single_rank_expert=arm != AS_INSTALLED,
-            ring_identity_dispatch=cfg.dispatch_ring and arm != AS_INSTALLED,
-        )
+    inst = install(
+        layer,
+        BufferPool(device, debug=False),
+        _knobs("ring" if arm == AS_INSTALLED else arm, cfg.slots),
+        tokens=cfg.tokens,
+        num_microbatches=cfg.microbatches,
+        # EP x ETP = 1 leaves the expert ring unused: measure it as where it is used, but as-installed
+        ring_single_rank_expert=arm != AS_INSTALLED,
+        ring_identity_dispatch=cfg.dispatch_ring and arm != AS_INSTALLED,
+    )
     try:
         yield inst
     finally:
@@ -450,9 +440,9 @@ class _Prepared:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def schedule(self, timing: dict[str, list] | None = None, *, drain: bool = False) -> None:
+    def schedule(self, timing: dict[str, list] | None = None) -> None:
         """One schedule of the layer (:func:`_schedule`)."""
-        _schedule(self.forward, self.steps, self.xs, self.grads, timing, drain=drain)
+        _schedule(self.forward, self.steps, self.xs, self.grads, timing)
 
 
 @contextlib.contextmanager
@@ -482,8 +472,11 @@ def _run_round(p: _Prepared, arm: str) -> dict[str, Any]:
             p.schedule(timing)
         _sync(cuda)
         wall = time.perf_counter() - start
-        # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control).
-        acquired = {name: s.acquisitions for name, s in inst.pool.stats().items()} if inst is not None else {}
+        # Evidence that the arm ran hooked: each hooked buffer's acquisitions this round (none for the control), and
+        # its releases deferred behind a saved reference (the saved-tensor tracking at work).
+        stats = inst.pool.stats() if inst is not None else {}
+        acquired = {name: s.acquisitions for name, s in stats.items()}
+        deferred = {name: s.deferred_releases for name, s in stats.items()}
         unused = dict(getattr(inst, "unused", {})) if inst is not None else {}
     calls = cfg.steps * cfg.microbatches
     fwd, bwd = sum(timing["F"]) / calls * 1e6, sum(timing["B"]) / calls * 1e6
@@ -495,6 +488,7 @@ def _run_round(p: _Prepared, arm: str) -> dict[str, Any]:
         "wall_ms": wall / calls * 1e3,
         "gpu_ms": gpu,
         "acquisitions": acquired,
+        "deferred_releases": deferred,
         "unused": unused,
     }
 
@@ -505,22 +499,14 @@ def _schedule(
     xs: list[torch.Tensor],
     grads: list[torch.Tensor],
     timing: dict[str, list] | None,
-    *,
-    drain: bool = False,
 ) -> None:
-    """Run one schedule; with ``timing``, the host seconds of every forward / backward call and CUDA event pairs.
-
-    ``drain``: the GPU finishes the earlier calls' work before each call, so no host span inside a call waits
-    behind it (a full launch queue, a device-to-host copy queued after it).
-    """
+    """Run one schedule; with ``timing``, the host seconds of every forward / backward call and CUDA event pairs."""
     outs: dict[int, torch.Tensor] = {}
     cuda = xs[0].is_cuda
     clock = time.perf_counter
     for kind, i in steps:
         if kind == "F":
             x = xs[i].detach().requires_grad_(True)
-        if drain and cuda:
-            torch.cuda.synchronize()
         if timing is not None and cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -567,338 +553,14 @@ def run_layer_bench(cfg: LayerBenchConfig, *, progress: Progress | None = None) 
     device = check_config(cfg)
     arms = ["control", *cfg.policies]
     order = round_order(arms, cfg.rounds, cfg.warmup)
-    total = len(order) + (2 * cfg.added_pairs * len(cfg.policies) if cfg.added_time else 0)
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
-
     with prepared(cfg, device) as p:
         rounds = []
         for k, entry in enumerate(order):
             figures = _run_round(p, entry["arm"])
             rounds.append({"index": k, **entry, **figures})
-            tick()
-        profiles = {arm: _profile_arm(p, arm) for arm in arms} if cfg.profile else None
-        hook_times = None
-        if cfg.hook_time:
-            from bufreuse.bench.hook_time import calibrate
-
-            bias = calibrate()
-            per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms[1:]}
-            stand_ins: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms[1:]}
-            for k in range(cfg.hook_rounds):
-                for arm in arms[1:]:
-                    # each real round beside a stand-in round (empty hooks at the same points), A B B A
-                    for empty in (False, True) if k % 2 == 0 else (True, False):
-                        (stand_ins if empty else per_arm)[arm].append(_hook_time_arm(p, arm, bias, empty=empty))
-            hook_times = {
-                "calibration_ns": bias,
-                "rounds": cfg.hook_rounds,
-                "arms": {arm: _hook_time_summary(r, stand_ins[arm], bias) for arm, r in per_arm.items()},
-                "note": "hooks' own host time per layer call: time in bufreuse's hook frames (and the torch calls "
-                f"they make), not in the megatron/TE work they wrap; median of {cfg.hook_rounds} instrumented "
-                "round(s) per arm [min, max], the clock's warm cost subtracted (its cold cost stays in); 'net' "
-                "subtracts instead a stand-in round beside each (an empty frame calling the original at each "
-                "override point: the clock's cost there in place, and that frame), the warm cost at the other "
-                "boundaries; stand-ins alternate before and after (balanced for an even --hook-rounds); the "
-                "allocation the control makes instead is not subtracted"
-                + (
-                    "; local spec: the experts' hook replaces SequentialMLP.forward, so its time includes that "
-                    "forward's own split, loop and concatenation (the TE spec's hooks only wrap)"
-                    if cfg.spec == "local"
-                    else ""
-                ),
-            }
-        added = _added_time(p, arms[1:], tick) if cfg.added_time else None
-    result = _summarise(cfg, device, arms, rounds)
-    if added is not None:
-        result["added_time"] = added
-    if profiles is not None:
-        result["profile"] = _profile_summary(profiles)
-    if hook_times is not None:
-        result["hook_time"] = hook_times
-    return result
-
-
-def _added_time(p: _Prepared, arms: list[str], tick: Callable[[], None]) -> dict[str, Any]:
-    """Per hooked arm: ``added_pairs`` pairs of one schedule of a hooked layer and one of a plain one, alternating
-    A B B A, with one span timer at the arm's entry points and at the same points of the plain layer
-    (:mod:`bufreuse.bench.added_time`); arms with no entry point (the as-installed arm at EP x ETP = 1) get none.
-
-    The layers are the bench's and a twin built the same way (same seed: same weights; same inputs). In the first
-    half of the pairs the twin carries the hooks, in the second the bench's layer does (and the twin is the
-    control), so a difference between the two layers cancels; one installation serves each half, so pairs are
-    cheap and many (the spread between pairs is the TE work's own, and only their count narrows the interval).
-    The GPU is drained before each layer call (outside the spans), so no host span waits behind GPU work.
-    """
-    from bufreuse.bench.added_time import pair_order, point_name, summarise_pairs
-
-    cfg, out = p.cfg, {}
-    timer, twin = None, None
-    for arm in arms:
-        with _installed(p.layer, arm, cfg, p.device) as inst:  # what the arm hooks, on the bench's layer
-            points = _unique(inst.entry_points)
-        if not points:
-            out[arm] = {"points": [], "entry_points": [], "note": "no hook entry point: nothing added"}
-            for _ in range(2 * cfg.added_pairs):
-                tick()
-            continue
-        if twin is None:
-            from bufreuse.bench.added_time import SpanTimer
-
-            twin, timer = _twin(p), SpanTimer()
-        figures: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
-        halves = []
-        for hooked, plain in ((twin, p), (p, twin)):
-            half = _added_time_half(hooked, plain, arm, pair_order(cfg.added_pairs // 2, arm), timer, tick)
-            halves.append(summarise_pairs(half["control"], half[arm])["added_us"])
-            for who in figures:
-                figures[who] += half[who]
-        out[arm] = {
-            **summarise_pairs(figures["control"], figures[arm]),
-            "entry_points": [point_name(obj, attr) for obj, attr in points],
-            "halves_added_us": halves,
-        }
-    local = "; local spec: CatIntoRing.backward is counted without the CatBackward the control runs instead"
-    return {
-        "pairs": cfg.added_pairs,
-        "target_us": ADDED_TARGET_US,
-        "arms": out,
-        "note": "added host µs per layer call: the same span timer at the hooks' entry points (the stages they "
-        "override, the FC2 module's forward on the TE route) of a hooked layer and of a plain one (the bench's "
-        "layer and a twin with the same weights and inputs, swapping roles halfway); one schedule of each in turn, "
-        "pairs A B B A, the GPU drained before each layer call (outside the spans); per pair the hooked µs less "
-        "the plain's (the timer's cost cancels, the control's own work there, such as the FC2 allocation the ring "
-        "replaces, is subtracted), mean over pairs with a 95% t interval over the A B B A groups; 'mean' rows "
-        "take each schedule's mean span per layer "
-        "call (what throughput pays), 'median' rows each point's per-call median (the typical call); hook code "
-        "outside every point (autograd's unpack and the deferred release in backward, the Functions' backward) is "
-        "timed alike and counted in full" + (local if cfg.spec == "local" else ""),
-    }
-
-
-def _unique(points: list[tuple[Any, str]]) -> list[tuple[Any, str]]:
-    seen: dict[tuple[int, str], tuple[Any, str]] = {}
-    for obj, attr in points:
-        seen.setdefault((id(obj), attr), (obj, attr))
-    return list(seen.values())
-
-
-def _added_time_half(
-    hooked: _Prepared, plain: _Prepared, arm: str, order: list[str], timer: Any, tick: Callable[[], None]
-) -> dict[str, list[dict[str, Any]]]:
-    """``arm`` installed on ``hooked`` for the block, ``plain`` the control: one schedule of each per entry of
-    ``order``, the span timer at the arm's entry points and their counterparts on ``plain``."""
-    from bufreuse.bench.added_time import counterparts, outside_points, spanned
-
-    cfg = hooked.cfg
-    figures: dict[str, list[dict[str, Any]]] = {"control": [], arm: []}
-    with outside_points(timer) as during, _installed(hooked.layer, arm, cfg, hooked.device, during) as inst:
-        points = _unique(inst.entry_points)
-        with spanned(points, timer), spanned(counterparts(hooked.layer, plain.layer, points), timer), _collector(cfg):
-            for q in (plain, hooked):  # one untimed schedule each
-                q.layer.zero_grad(set_to_none=True)
-                q.schedule(drain=True)
-            for who in order:
-                q = plain if who == "control" else hooked
-                _sync(q.cuda)
-                timer.reset()
-                q.schedule(drain=True)
-                _sync(q.cuda)
-                figures[who].append(timer.snapshot(cfg.microbatches))
-                tick()
-    return figures
-
-
-ADDED_TARGET_US = 10.0
-"""The host time a ring's hooks may add per layer call over the control (issue 26's target), read by the verdict."""
-
-
-def _twin(p: _Prepared) -> _Prepared:
-    """A second layer built as ``p``'s (same seed, so the same weights), with ``p``'s inputs and schedule."""
-    layer = _build_layer(p.cfg, p.device)
-    layer.train()
-    return _Prepared(layer, _forward_fn(layer, p.cfg, p.device), p.cfg, p.device, p.xs, p.grads, p.steps)
-
-
-def _hook_time_arm(p: _Prepared, arm: str, bias: dict[str, float], *, empty: bool = False) -> dict[str, Any]:
-    """One instrumented round of ``arm``: the hooks' exclusive host µs per layer call (:mod:`bufreuse.bench.hook_time`).
-
-    ``raw_us`` is what the clock charged; ``us`` subtracts its calibrated cost (``bias``) per hook entry and per
-    original call; the entries and original calls per layer call are exact counts. ``empty``: a stand-in round
-    (every hook an empty frame calling the original; the layer then runs as the control does).
-    """
-    from bufreuse.bench.hook_time import HookClock, instrumented
-
-    cfg = p.cfg
-    clock = HookClock(empty=empty)
-    with instrumented(clock) as during, _installed(p.layer, arm, cfg, p.device, during), _collector(cfg):
-        p.schedule()
-        _sync(p.cuda)
-        p.layer.zero_grad(set_to_none=True)
-        clock.reset()
-        for _ in range(cfg.steps):
-            p.schedule()
-        _sync(p.cuda)
-    calls = cfg.steps * cfg.microbatches
-    raw = clock.hook_ns / calls / 1e3
-    corrected = raw - (clock.entries * bias["entry_ns"] + clock.originals * bias["original_ns"]) / calls / 1e3
-    by_hook = sorted(clock.by_hook.items(), key=lambda kv: -kv[1][0])
-    return {
-        "us": corrected,
-        "raw_us": raw,
-        "entries_per_layer_call": clock.entries / calls,
-        "originals_per_layer_call": clock.originals / calls,
-        "by_hook": [
-            {"hook": name.removeprefix("bufreuse."), "raw_us": ns / calls / 1e3, "entries": n / calls}
-            for name, (ns, n) in by_hook
-        ],
-    }
-
-
-def _hook_time_summary(
-    rounds: list[dict[str, Any]], stand_ins: list[dict[str, Any]] | None = None, bias: dict[str, float] | None = None
-) -> dict[str, Any]:
-    """An arm's instrumented rounds: the median of ``us`` and ``raw_us`` with the range; the exact per-call counts
-    of the first round; each hook's raw µs as the median over rounds.
-
-    With ``stand_ins`` (one per round, same order) and the warm ``bias``: ``net_us`` per round is the real round's
-    raw µs less its stand-in's raw µs (the clock's cost in place at the entry points a stand-in has, and one empty
-    frame there) less the warm ``bias`` for the entries and original calls the stand-in has no counterpart of (the
-    pool's pack/unpack, the Functions' backward, the originals they or the hooks call beyond the stand-in's);
-    reported as the median over rounds with the range.
-    """
-    us = [r["us"] for r in rounds]
-    med = statistics.median(us)
-    empty: dict[str, Any] = {}
-    if stand_ins:
-        b = bias or {"entry_ns": 0.0, "original_ns": 0.0}
-
-        def net(r: dict[str, Any], e: dict[str, Any]) -> float:
-            extra_entries = r["entries_per_layer_call"] - e["entries_per_layer_call"]
-            extra_originals = r["originals_per_layer_call"] - e["originals_per_layer_call"]
-            warm = (extra_entries * b["entry_ns"] + extra_originals * b["original_ns"]) / 1e3
-            return r["raw_us"] - e["raw_us"] - warm
-
-        nets = [net(r, e) for r, e in zip(rounds, stand_ins, strict=True)]
-        empty = {
-            "stand_in_raw_us": statistics.median([e["raw_us"] for e in stand_ins]),
-            "stand_in_entries_per_layer_call": stand_ins[0]["entries_per_layer_call"],
-            "stand_in_originals_per_layer_call": stand_ins[0]["originals_per_layer_call"],
-            "net_us": statistics.median(nets),
-            "net_min_us": min(nets),
-            "net_max_us": max(nets),
-            "rounds_net_us": nets,
-        }
-    hooks: dict[str, list[dict[str, float]]] = {}
-    for r in rounds:
-        for row in r["by_hook"]:
-            hooks.setdefault(row["hook"], []).append(row)
-    by_hook = [
-        {
-            "hook": name,
-            "raw_us": statistics.median([row["raw_us"] for row in rows] + [0.0] * (len(rounds) - len(rows))),
-            "entries": rows[0]["entries"],
-        }
-        for name, rows in hooks.items()
-    ]
-    return {
-        "us": med,
-        "min_us": min(us),
-        "max_us": max(us),
-        "spread_pct": (max(us) - min(us)) / med * 100 if med else None,
-        "rounds_us": us,
-        "raw_us": statistics.median([r["raw_us"] for r in rounds]),
-        "entries_per_layer_call": rounds[0]["entries_per_layer_call"],
-        "originals_per_layer_call": rounds[0]["originals_per_layer_call"],
-        "by_hook": sorted(by_hook, key=lambda row: -row["raw_us"]),
-        **empty,
-    }
-
-
-_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
-_BENCH = str(Path(__file__).resolve().parent) + os.sep
-
-
-def _check_profiler() -> None:
-    """Refuse ``--profile`` up front when another profiler holds the interpreter (Python >= 3.12 allows one)."""
-    import cProfile
-
-    probe = cProfile.Profile()
-    try:
-        probe.enable()
-    except ValueError as e:
-        raise InputError(f"--profile: cannot start cProfile ({e}); run without another profiler") from e
-    probe.disable()
-
-
-def _profile_arm(p: _Prepared, arm: str) -> dict[str, Any]:
-    """One round of ``arm`` under cProfile: per layer call, the function calls (Python and C) and bufreuse's share.
-
-    Counts are exact and machine-independent (the profiler sees every thread: run it without other threads busy).
-    Times are cProfile's: bufreuse's self time includes the profiler's per-call cost and excludes the torch and
-    standard-library calls bufreuse's functions make, so it is neither a bound nor the hooks' true cost; it
-    compares arms and versions of one run. On Python >= 3.12 cProfile sees every
-    thread (autograd's device threads run the backward hooks); on older Pythons only the calling thread.
-    """
-    import cProfile
-    import pstats
-
-    cfg = p.cfg
-    with _installed(p.layer, arm, cfg, p.device):
-        p.schedule()
-        _sync(p.cuda)
-        p.layer.zero_grad(set_to_none=True)
-        prof = cProfile.Profile()
-        start = time.perf_counter()
-        prof.enable()
-        try:
-            for _ in range(cfg.steps):
-                p.schedule()
-        finally:
-            prof.disable()
-        _sync(p.cuda)
-        wall = time.perf_counter() - start
-    calls = cfg.steps * cfg.microbatches
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    ours = {key: row for key, row in stats.items() if key[0].startswith(_PACKAGE) and not key[0].startswith(_BENCH)}
-    top = sorted(ours.items(), key=lambda kv: -kv[1][2])[:12]
-    return {
-        "calls_per_layer_call": sum(row[1] for row in stats.values()) / calls,
-        "bufreuse_calls_per_layer_call": sum(row[1] for row in ours.values()) / calls,
-        "bufreuse_self_us_per_layer_call": sum(row[2] for row in ours.values()) / calls * 1e6,
-        "profiled_wall_us_per_layer_call": wall / calls * 1e6,
-        "top": [
-            {
-                "function": f"{Path(k[0]).relative_to(_PACKAGE).as_posix()}:{k[1]} {k[2]}",
-                "calls": row[1] / calls,
-                "self_us": row[2] / calls * 1e6,
-                "cumulative_us": row[3] / calls * 1e6,
-            }
-            for k, row in top
-        ],
-    }
-
-
-def _profile_summary(profiles: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each arm's profile and, against the control, the calls it adds per layer call."""
-    base = profiles["control"]
-    for arm, p in profiles.items():
-        if arm != "control":
-            p["added_calls_per_layer_call"] = p["calls_per_layer_call"] - base["calls_per_layer_call"]
-            p["added_profiled_wall_us_per_layer_call"] = (
-                p["profiled_wall_us_per_layer_call"] - base["profiled_wall_us_per_layer_call"]
-            )
-    return {
-        "note": "cProfile, one round per arm after the timed rounds: call counts are exact; bufreuse's self time "
-        "includes the profiler's per-call cost and excludes the torch calls bufreuse makes (for comparing arms "
-        "and versions, not the hooks' true cost)",
-        "arms": profiles,
-    }
+            if progress is not None:
+                progress(k + 1, len(order))
+    return _summarise(cfg, device, arms, rounds)
 
 
 @contextlib.contextmanager
@@ -1034,8 +696,6 @@ def _verdict(
 def _env(device: torch.device) -> dict[str, Any]:
     import megatron.core
 
-    from bufreuse.native import status as native_status
-
     cuda = device.type == "cuda"
     te = None
     with contextlib.suppress(Exception):
@@ -1049,7 +709,6 @@ def _env(device: torch.device) -> dict[str, Any]:
         "megatron_core": getattr(megatron.core, "__version__", None),
         "transformer_engine": te,
         "python": platform.python_version(),
-        "hotpath": native_status(),
         "hostname": platform.node(),
         "cpu": platform.processor() or platform.machine(),
     }

@@ -116,8 +116,7 @@ def layer(
         str,
         typer.Option(
             help="Comma list of arms against the control: ring, stream-ordered, record-stream (the expert ring "
-            "exercised at EP = 1), as-installed (install()'s production rule: no ring at EP x ETP = 1). "
-            "BUFREUSE_NATIVE=0 runs the Python hot path instead of the C one."
+            "exercised at EP = 1), as-installed (install()'s production rule: no ring at EP x ETP = 1)."
         ),
     ] = "ring",
     slots: Annotated[int, typer.Option(help="Slots of the dispatch and expert rings.")] = 3,
@@ -131,38 +130,6 @@ def layer(
     ] = False,
     band_pct: Annotated[float, typer.Option(help="Parity band of the verdicts, percent.")] = 1.0,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
-    profile: Annotated[
-        bool,
-        typer.Option(
-            "--profile",
-            help="After the rounds, one cProfile'd round per arm: function calls per layer call (exact) and "
-            "bufreuse's own self time (cProfile's clock; excludes the torch calls it makes).",
-        ),
-    ] = False,
-    hook_time: Annotated[
-        bool,
-        typer.Option(
-            "--hook-time/--no-hook-time",
-            help="After the rounds, instrumented rounds per hooked arm: the hooks' own host µs per layer call "
-            "(time in bufreuse's hook code, not in the megatron/TE work it wraps), each beside a stand-in round "
-            "(empty hooks at the same points) whose difference is the 'net' figure.",
-        ),
-    ] = True,
-    hook_rounds: Annotated[
-        int, typer.Option(help="Instrumented rounds per hooked arm for --hook-time (median, with the range).")
-    ] = 3,
-    added_time: Annotated[
-        bool,
-        typer.Option(
-            "--added-time/--no-added-time",
-            help="After the rounds, pairs of schedules of a hooked and a plain layer (the bench's and a twin, "
-            "swapping roles halfway) with one span timer at the hooks' entry points in both: the host µs the hooks "
-            "add per layer call over the control, with a 95% interval.",
-        ),
-    ] = True,
-    added_pairs: Annotated[
-        int, typer.Option(help="Schedule pairs per hooked arm for --added-time (A B B A; a multiple of 4).")
-    ] = 64,
     dispatch_ring: Annotated[
         bool,
         typer.Option(
@@ -185,7 +152,8 @@ def layer(
     mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --output / --plot files' folders.")] = False,
 ) -> None:
     """A real megatron-core MoELayer: control vs each policy's hooks, per layer call host µs (forward and
-    backward), wall ms and GPU ms, rounds in A B B A order, ratios with 95% intervals and verdicts."""
+    backward), wall ms and GPU ms, rounds in A B B A order, ratios with 95% intervals and verdicts, and the
+    control's drift. Needs megatron-core (pip install 'bufreuse[megatron]')."""
     check_output_file(output, suffixes=(".json",), mkdir=mkdir, option="--output")
     check_output_file(plot, suffixes=(".png",), mkdir=mkdir, option="--plot")
     from bufreuse.bench.layer_bench import layer_config, run_layer_bench
@@ -205,16 +173,10 @@ def layer(
         slots=slots,
         pad=pad,
         band_pct=band_pct,
-        profile=profile,
-        hook_time=hook_time,
-        hook_rounds=hook_rounds,
-        added_time=added_time,
-        added_pairs=added_pairs,
         dispatch_ring=dispatch_ring,
         gc=gc_mode,
     )
-    # --profile: no refresh thread (on Python >= 3.12 cProfile counts every thread's calls)
-    with progress_bar("bench layer rounds", refresh_thread=not profile) as tick:
+    with progress_bar("bench layer rounds") as tick:
         result = run_layer_bench(cfg, progress=tick)
     if output is not None:
         from bufreuse.fsutil import atomic_write_json

@@ -36,7 +36,6 @@ def _title(result: dict[str, Any]) -> str:
         f"(A B B A, {c['warmup']} warm-up dropped); {where}, torch {env['torch']}, megatron-core {env['megatron_core']}"
         + (f", TE {env['transformer_engine']}" if c["spec"] == "te" else "")
         + ("; garbage collector manual (collected before each round, off during it)" if c.get("gc") == "manual" else "")
-        + (f"; C hot path {env['hotpath']}" if env.get("hotpath") else "")
         + (
             "; EP = 1: the policy arms exercise the dispatch and expert buffers as where they are used (the dispatch "
             "ring's all-to-all is then one copy the control does not make; production, the as-installed arm, uses no "
@@ -126,126 +125,9 @@ def _ratio_table(result: dict[str, Any]) -> Table:
     return table
 
 
-def _profile_table(profile: dict[str, Any]) -> Table:
-    """Per arm: calls per layer call, bufreuse's share, cProfile'd wall; then the ring arms' top functions."""
-    table = Table(title="Host profile per layer call (cProfile, one round per arm)", title_justify="left")
-    for col in ("arm", "calls (all)", "added vs control", "bufreuse calls", "bufreuse self µs", "profiled wall µs"):
-        table.add_column(col, justify="left" if col == "arm" else "right")
-    for arm, p in profile["arms"].items():
-        added = p.get("added_calls_per_layer_call")
-        table.add_row(
-            arm,
-            f"{p['calls_per_layer_call']:.1f}",
-            "" if added is None else f"{added:+.1f}",
-            f"{p['bufreuse_calls_per_layer_call']:.1f}",
-            f"{p['bufreuse_self_us_per_layer_call']:.1f}",
-            f"{p['profiled_wall_us_per_layer_call']:.0f}",
-        )
-    return table
-
-
-def _profile_top(profile: dict[str, Any]) -> list[Table]:
-    tables = []
-    for arm, p in profile["arms"].items():
-        if arm == "control" or not p["top"]:
-            continue
-        table = Table(title=f"{arm}: bufreuse functions by self time per layer call", title_justify="left")
-        for col in ("function", "calls", "self µs", "cumulative µs"):
-            table.add_column(col, justify="left" if col == "function" else "right")
-        for row in p["top"]:
-            table.add_row(
-                row["function"], f"{row['calls']:.2f}", f"{row['self_us']:.2f}", f"{row['cumulative_us']:.1f}"
-            )
-        tables.append(table)
-    return tables
-
-
-def _hook_time_table(hook_time: dict[str, Any]) -> Table:
-    """Per hooked arm: the hooks' own host µs per layer call, the raw clock figure, entries and original calls."""
-    rounds = hook_time.get("rounds", 1)
-    table = Table(
-        title=f"Hooks' own host time per layer call (median of {rounds} instrumented round(s) per arm)",
-        title_justify="left",
-    )
-    cols = ("arm", "hook µs [min, max]", "raw µs (with the clock)", "empty hooks µs", "net µs [min, max]",
-            "hook entries", "original calls")  # fmt: skip
-    for col in cols:
-        table.add_column(col, justify="left" if col == "arm" else "right")
-    for arm, h in hook_time["arms"].items():
-        span = f" [{h['min_us']:.1f}, {h['max_us']:.1f}]" if "min_us" in h else ""
-        net = f"{h['net_us']:.1f} [{h['net_min_us']:.1f}, {h['net_max_us']:.1f}]" if "net_us" in h else "—"
-        table.add_row(
-            arm,
-            f"{h['us']:.1f}{span}",
-            f"{h['raw_us']:.1f}",
-            f"{h['stand_in_raw_us']:.1f}" if "stand_in_raw_us" in h else "—",
-            net,
-            f"{h['entries_per_layer_call']:.1f}",
-            f"{h['originals_per_layer_call']:.1f}",
-        )
-    for arm, h in hook_time["arms"].items():
-        for row in h.get("by_hook", []):
-            table.add_row(f"  {arm}: {row['hook']}", "", f"{row['raw_us']:.1f}", "", "", f"{row['entries']:.1f}", "")
-    return table
-
-
-def _added_verdict(a: dict[str, Any], target: float) -> str:
-    """Against the target: met when the whole interval is at or below it, not met when wholly above."""
-    lo, hi = a.get("ci_low_us"), a.get("ci_high_us")
-    if lo is None or hi is None:
-        return "inconclusive (< 3 pairs)"
-    if hi <= target:
-        return f"≤ {target:g} µs: met"
-    if lo > target:
-        return f"≤ {target:g} µs: not met"
-    return "inconclusive"
-
-
-def _added_time_table(added: dict[str, Any]) -> Table:
-    """Per hooked arm: host µs added per layer call over the control at the hooks' entry points, with its
-    interval, from the schedules' means and from their per-call medians, and each point's share."""
-    target = added.get("target_us", 10.0)
-    table = Table(
-        title=f"Host time added per layer call over the control ({added['pairs']} pairs of schedules, A B B A, a "
-        "hooked and a plain layer swapping roles halfway, one span timer at the hooks' entry points in both)",
-        title_justify="left",
-    )
-    for col in ("arm", "added µs", "95% CI", "verdict", "control µs at the points", "arm µs at the points"):
-        table.add_column(col, justify="left" if col in ("arm", "verdict") else "right")
-
-    def row(label: str, a: dict[str, Any]) -> None:
-        ci = f"[{a['ci_low_us']:+.1f}, {a['ci_high_us']:+.1f}]" if a.get("ci_low_us") is not None else "—"
-        table.add_row(label, f"{a['added_us']:+.1f}", ci, _added_verdict(a, target), f"{a['control_us']:.1f}",
-                      f"{a['arm_us']:.1f}")  # fmt: skip
-
-    for arm, a in added["arms"].items():
-        if not a.get("points"):
-            table.add_row(arm, "—", "—", a.get("note", ""), "—", "—")
-            continue
-        row(f"{arm}, mean", a)
-        if a.get("per_call_median"):
-            row(f"{arm}, median", a["per_call_median"])
-        if a.get("halves_added_us"):  # a difference between the two layers shows here, and cancels in the mean
-            first, second = a["halves_added_us"]
-            table.add_row(f"  {arm}, mean by half (twin hooked / layer hooked)", f"{first:+.1f} / {second:+.1f}",
-                          "", "", "", "")  # fmt: skip
-    for arm, a in added["arms"].items():
-        for which, rows in (("mean", a.get("points", [])), ("median", a.get("per_call_median", {}).get("points", []))):
-            for p in rows:
-                table.add_row(f"  {arm}, {which}: {p['point']}", f"{p['added_us']:+.1f}", "", "",
-                              f"{p['control_us']:.1f}", f"{p['arm_us']:.1f}")  # fmt: skip
-    return table
-
-
 def layer_bench_renderable(result: dict[str, Any]) -> Group:
-    """The per-arm figures, the ratio table (with the control's drift), the profile (``--profile``) and notes."""
+    """The per-arm figures, the ratio table (with the control's drift) and the notes."""
     parts: list[Any] = [_figures_table(result), _ratio_table(result)]
-    if result.get("hook_time"):
-        parts.append(_hook_time_table(result["hook_time"]))
-    if result.get("added_time"):
-        parts.append(_added_time_table(result["added_time"]))
-    if result.get("profile"):
-        parts += [_profile_table(result["profile"]), *_profile_top(result["profile"])]
     notes = []
     if result["note"]:
         notes.append(result["note"])
@@ -253,11 +135,5 @@ def layer_bench_renderable(result: dict[str, Any]) -> Group:
         judged = result["summary"][arm][result["headline"]]["vs_control"]
         if judged["note"]:
             notes.append(f"{arm}: {judged['note']}")
-    if result.get("hook_time"):
-        notes.append(result["hook_time"]["note"])
-    if result.get("added_time"):
-        notes.append(result["added_time"]["note"])
-    if result.get("profile"):
-        notes.append(result["profile"]["note"])
     parts += [Text.assemble(("note: ", "yellow"), n) for n in notes]
     return Group(*parts)
