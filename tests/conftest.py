@@ -32,10 +32,17 @@ def _te_available() -> bool:
     return True
 
 
+MEGATRON_SKIP_REASON = "needs megatron-core (pip install -e '.[megatron]', or bash scripts/ci/install-megatron.sh)"
+
+
 @pytest.fixture(scope="module")
 def parallel():
     """A world of one process with megatron's model-parallel state set up (CPU, gloo) for the module; modules that
-    need another world (the GPU ones, HybridEP's) define their own ``parallel``."""
+    need another world (the GPU ones, HybridEP's) define their own ``parallel``.
+
+    Skips (with the reason) when megatron-core does not import: a fixture runs before the test body, so a test's
+    own ``importorskip`` would come too late."""
+    pytest.importorskip("megatron.core", reason=MEGATRON_SKIP_REASON)
     from megatron_cpu import cpu_moe_parallel
 
     with cpu_moe_parallel():
