@@ -166,3 +166,36 @@ def test_moe_vs_dense_runs_are_not_like_for_like(tmp_path: Path) -> None:
     same = _ds_log(tmp_path, "moe2.log", "[64]", "4", "2", 1.5)
     again = compare_runs(resolve_runs([str(moe), str(same)])).comparisons[0].comparability
     assert not any("experts" in c or "EP" in c or "top-k" in c for c in again)
+
+
+def _nemo_mem(rows: list[tuple[float, str, str]]) -> str:
+    """NeMo 2 lines as its ProgressPrinter prints them with ``log_memory_usage``: MegatronStrategy logs
+    ``max_memory_reserved`` / ``max_memory_allocated`` (torch's byte counts), printed ``{val:.4}`` or as an
+    integer when the window's mean is whole."""
+    return "".join(
+        f"Training epoch 0, iteration {i}/{len(rows) - 1} | lr: 1.961e-07 | global_batch_size: 4 | global_step: {i} |"
+        f" max_memory_reserved: {res} | max_memory_allocated: {alloc} | reduced_train_loss: 10.5 |"
+        f" train_step_timing in s: {t}\n"
+        for i, (t, res, alloc) in enumerate(rows)
+    )
+
+
+def test_nemo2_memory_fields_are_read_from_bytes_as_mib() -> None:
+    rows = [(5.2, "5.926e+10", "4.812e+10"), (2.0, "6.359e+10", "5.214e+10"), (2.1, "63590000000", "52140000000")]
+    log = parse_log_text(_nemo_mem(rows))
+    assert len(log.iterations) == 3
+    assert log.peak("max_reserved_mib") == 6.359e10 / 2**20
+    assert log.peak("max_allocated_mib") == 5.214e10 / 2**20
+    assert [r.memory_mib["max_reserved_mib"] for r in log.iterations] == [float(x[1]) / 2**20 for x in rows]
+    assert not any("not read" in w for w in log.warnings)
+    # a byte count with a unit glued on is not a byte count: named, never guessed at
+    odd = parse_log_text(_nemo_mem([(2.0, "59.2GB", "48.1GB")]))
+    assert odd.peak("max_reserved_mib") is None and any("'max_memory_reserved'" in w for w in odd.warnings)
+
+
+def test_nemo2_ab_shows_memory_in_mib(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text(_nemo_mem([(2.0, "6.359e+10", "5.214e+10")] * 6))
+    b.write_text(_nemo_mem([(2.0, "5.500e+10", "5.214e+10")] * 6))
+    text = comparison_text(compare_runs(resolve_runs([str(a), str(b)])))
+    assert f"{6.359e10 / 2**20:,.0f}" in text and f"{5.5e10 / 2**20:,.0f}" in text, text

@@ -51,6 +51,9 @@ class FieldGrammar:
     attr: str
     scale: float
     era: str
+    unit: str = ""
+    """Memory fields only: ``"GiB"`` (a ``GB``/``GiB``/``G`` suffix allowed, first of a ``/`` list read) or
+    ``"B"`` (a byte count: a bare number, exponent allowed, no unit)."""
 
 
 _MEM_TAIL = (
@@ -181,16 +184,22 @@ is read as its current value, the window's own figure."""
 MEMORY_FIELDS: dict[str, FieldGrammar] = {
     f.label: f
     for f in (
-        FieldGrammar(label="memory(GiB)", attr="max_reserved_mib", scale=1024.0,
+        FieldGrammar(label="memory(GiB)", attr="max_reserved_mib", scale=1024.0, unit="GiB",
                      era="ms-swift Megatron: torch.cuda.max_memory_reserved() in GiB"),
-        FieldGrammar(label="hip mem usage/free/total/usage_ratio", attr="device_used_mib", scale=1024.0,
+        FieldGrammar(label="hip mem usage/free/total/usage_ratio", attr="device_used_mib", scale=1024.0, unit="GiB",
                      era="Primus (ROCm): used/free/total from torch.cuda.mem_get_info(), GiB printed as 'GB'"),
-        FieldGrammar(label="rocm mem usage/free/total/usage_ratio", attr="device_used_mib", scale=1024.0,
+        FieldGrammar(label="rocm mem usage/free/total/usage_ratio", attr="device_used_mib", scale=1024.0, unit="GiB",
                      era="Primus (ROCm): VRAM used/free/total from rocm-smi, GiB printed as 'GB'"),
+        FieldGrammar(label="max_memory_reserved", attr="max_reserved_mib", scale=1 / 2**20, unit="B",
+                     era="NeMo 2 (MegatronStrategy log_memory_usage): torch.cuda.max_memory_reserved() in bytes, "
+                         "printed '{:.4}' (4 significant digits) as the mean over the log interval"),
+        FieldGrammar(label="max_memory_allocated", attr="max_allocated_mib", scale=1 / 2**20, unit="B",
+                     era="NeMo 2 (MegatronStrategy log_memory_usage): torch.cuda.max_memory_allocated() in bytes"),
     )
 }  # fmt: skip
-"""Memory fields printed on iteration lines, read as MiB (the first number of a ``used/free/...`` list).
-Any other iteration field whose label says memory is named in a warning, never guessed at."""
+"""Memory fields printed on iteration lines, read as MiB (GiB: the first number of a ``used/free/...`` list;
+bytes: divided by 2**20). Any other iteration field whose label says memory is named in a warning, never guessed
+at. NeMo 2 prints a window's mean of a running peak, at most 0.05% under the peak at the window's end."""
 
 TIMING_ATTRS = ("elapsed_ms", "tflops")
 """An iteration line counts only with one of these (else it is a validation or foreign line)."""

@@ -34,6 +34,7 @@ import numpy as np
 from bufreuse.analysis.runs.grammars import (
     FIELDS,
     MEMORY_FIELDS,
+    NUM,
     TIMING_ATTRS,
     UnknownLines,
     describe_unknown,
@@ -82,7 +83,11 @@ _CANCEL_RE = grammar("slurm-cancelled").pattern
 _FILE_JOBID_RE = re.compile(r"(?:^slurm-(\d+)|[-_](\d+))\.(?:out|err)(?:\.gz)?$|^slurm-(\d+)")
 """``slurm-NNN[.out]`` (sbatch's default) or ``name-NNN.out`` / ``name_NNN.err`` (``--output=name-%j.out``)."""
 _MEM_LABEL_RE = re.compile(r"mem", re.IGNORECASE)
-_MEM_VALUE_RE = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?:GB|GiB|G)?\s*(?:/|$)")
+_MEM_VALUE_RE = {
+    "GiB": re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?:GB|GiB|G)?\s*(?:/|$)"),
+    "B": re.compile(rf"^\s*({NUM})\s*$"),
+}
+"""A memory field's value by :attr:`FieldGrammar.unit`; group 1 is the number."""
 _BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # what str.splitlines splits on
 
 MAX_MEMORY_RECORDS = 16_384
@@ -220,8 +225,9 @@ def _iterations(
                 continue
             label = fm.group(1)
             if (mspec := MEMORY_FIELDS.get(label)) is not None:
-                if (vm := _MEM_VALUE_RE.match(fm.group(2))) is not None and math.isfinite(float(vm.group(1))):
-                    memory[mspec.attr] = float(vm.group(1)) * mspec.scale
+                vm = _MEM_VALUE_RE[mspec.unit].match(fm.group(2))
+                if vm is not None and 0 <= (mv := float(vm.group(1))) < math.inf:
+                    memory[mspec.attr] = mv * mspec.scale
                 else:
                     odd_fields.append(f"line {lineno}: {label!r} is {fm.group(2)[:40]!r}")
                 continue
