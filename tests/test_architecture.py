@@ -24,7 +24,6 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("bufreuse.integrations", "integrations"),
     ("bufreuse.pool", "pool"),
     ("bufreuse.plan", "foundation"),
-    ("bufreuse.native", "foundation"),
     ("bufreuse.errors", "foundation"),
     ("bufreuse.limits", "foundation"),
     ("bufreuse.fsutil", "foundation"),
@@ -150,9 +149,9 @@ def test_pool_imports_only_torch_and_errors() -> None:
             continue
         for target, line in _imports(name, path):
             mod = _resolve(target) if target.startswith("bufreuse") else None
-            allowed = ("bufreuse.errors", "bufreuse.native", "bufreuse")
+            allowed = ("bufreuse.errors", "bufreuse")
             if mod is not None and layer_of(mod) == "foundation" and mod not in allowed:
-                bad.append(f"{name}:{line} imports {target}: the pool imports only torch, errors and native")
+                bad.append(f"{name}:{line} imports {target}: the pool imports only torch and errors")
     assert not bad, "\n".join(bad)
 
 

@@ -310,16 +310,7 @@ def reads_live(live: Callable[[], Held | None]) -> Callable[[Any], bool]:
     return reads
 
 
-def _held_base() -> type:
-    from bufreuse.native import native_base
-
-    return native_base("Held")
-
-
-_HELD_BASE = _held_base()
-
-
-class Held(_HELD_BASE):
+class Held:
     """One acquisition and where it is released: at its last reader, by fact.
 
     ``release()`` is called after the forward's final reader; the pool releases at once when no
@@ -328,9 +319,7 @@ class Held(_HELD_BASE):
     kept so that "is this a view of it?" (:meth:`read_by`) is one pointer comparison.
     """
 
-    __slots__ = (
-        () if _HELD_BASE is not object else ("deferred", "entry", "hi", "lo", "name", "pool", "released", "tensor")
-    )
+    __slots__ = ("deferred", "entry", "hi", "lo", "name", "pool", "released", "tensor")
 
     def __init__(
         self, pool: BufferPool, name: str, tensor: torch.Tensor, entry: Any = None, span: tuple[int, int] | None = None
@@ -427,12 +416,6 @@ def with_reuse_hint(pool: BufferPool, name: str, e: Any) -> Exception:
     return EarlyReuseError(f"{e} -> {hint}", ring=e.ring, slot=e.slot, generation=e.generation, min_depth=e.min_depth)
 
 
-INSTRUMENT: Any = None
-"""Set only while a measurement installs (``bufreuse bench layer --hook-time``): ``hook(fn)`` wraps every hook
-entry :meth:`Installation.override` installs and ``original(fn)`` every callable a hook takes through
-:meth:`Installation.original`; with ``empty`` set, ``stand_in(original)`` replaces each hook (an empty frame, the
-clock's in-place floor). ``None`` (always, in use): nothing is wrapped, at install time only."""
-
 _ACTIVE: list[Installation] = []
 """Installations alive now; the shared class-level patches stay while any is."""
 _SHARED_UNDO: list[Callable[[], None]] = []
@@ -525,22 +508,14 @@ class Installation:
     def original(self, obj: Any, attr: str) -> Any:
         """``getattr(obj, attr)``: what a hook calls through (taken at install, before :meth:`override`).
 
-        Hooks take every megatron / TE callable they wrap from here, so a measurement can tell the
-        hooks' own host time from the work they call (:data:`INSTRUMENT`; nothing is added otherwise).
+        Hooks take every megatron / TE callable they wrap from here, so what they call is fixed at install.
         """
-        fn = getattr(obj, attr)
-        return fn if INSTRUMENT is None else INSTRUMENT.original(fn)
+        return getattr(obj, attr)
 
     def override(self, obj: Any, attr: str, value: Any) -> None:
         """Shadow ``obj.attr`` with an instance attribute; uninstall deletes it (the class method shows again)."""
         had = attr in vars(obj)
         old = vars(obj).get(attr)
-        if INSTRUMENT is not None and callable(value):
-            # a stand-in round puts an empty frame calling the current attribute where the hook would go (a hook
-            # with no attribute under it stays real; patches made outside override() are not stood in for)
-            current = getattr(obj, attr, None)
-            stand_in = INSTRUMENT.empty and callable(current)
-            value = INSTRUMENT.stand_in(INSTRUMENT.original(current)) if stand_in else INSTRUMENT.hook(value)
         setattr(obj, attr, value)
         if callable(value):
             self.entry_points.append((obj, attr))

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from bufreuse.native import native_base
-
 __all__ = ["DeviceOps", "env_debug", "env_float", "is_capturing", "saved_hooks_push_pop"]
 
 
@@ -58,21 +56,14 @@ def is_capturing(device: torch.device) -> bool:
     return bool(torch.cuda.is_current_stream_capturing())
 
 
-_OPS_BASE = native_base("Ops")
-
-
-class DeviceOps(_OPS_BASE):
+class DeviceOps:
     """Stream lookup and event record/wait for one device; on CPU every operation does nothing.
 
     ``current_stream()`` caches one ``torch.cuda.Stream`` object per raw stream pointer, so repeated
     calls return the *same* object (the ring compares streams with ``is`` to skip same-stream waits).
     """
 
-    __slots__ = (
-        ()
-        if _OPS_BASE is not object
-        else ("_by_ptr", "_index", "_raw", "capturing", "cuda", "device", "record", "wait")
-    )
+    __slots__ = ("_by_ptr", "_index", "_raw", "capturing", "cuda", "device", "record", "wait")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

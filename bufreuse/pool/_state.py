@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-from bufreuse.native import native_base
-
 __all__ = ["Phase", "RingStats", "StorageIndex"]
 
 
@@ -73,35 +71,24 @@ class RingStats:
     final release came on another stream."""
 
 
-_SLOT_BASE = native_base("Slot")
-
-
-class _Slot(_SLOT_BASE):
-    """One slot: its own base tensor (own version counter), holder and release state.
-
-    Its fields live in the C struct ``_hotpath.Slot`` where the extension builds (the C hot path reads them
-    directly), else in ``__slots__``; the same names either way.
-    """
+class _Slot:
+    """One slot: its own base tensor (own version counter), holder and release state."""
 
     __slots__ = (
-        ()
-        if _SLOT_BASE is not object
-        else (
-            "base",
-            "capture_event",
-            "eager_event",
-            "generation",
-            "holds",
-            "index",
-            "late",
-            "live",
-            "made_on",
-            "marks",
-            "pending",
-            "saved_refs",
-            "wait_on",
-            "wait_stream",
-        )
+        "base",
+        "capture_event",
+        "eager_event",
+        "generation",
+        "holds",
+        "index",
+        "late",
+        "live",
+        "made_on",
+        "marks",
+        "pending",
+        "saved_refs",
+        "wait_on",
+        "wait_stream",
     )
 
     def __init__(self, index: int, base: torch.Tensor, eager_event: Any, capture_event: Any) -> None:

@@ -22,14 +22,11 @@ CUDA graphs (eager warm-up -> full-iteration capture -> replays -> eager)::
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from bufreuse.native import hotpath
 from bufreuse.pool._config import resolve_device, storage_ptr
 from bufreuse.pool._device import env_debug, is_capturing
 from bufreuse.pool._state import StorageIndex
@@ -48,30 +45,20 @@ class BufferPool:
 
     ``debug`` (default ``BUFREUSE_DEBUG``): per-call checks in every ring, a watchdog thread for GPU
     waits that do not finish (``BUFREUSE_WATCHDOG_S``), and ``autograd_guard_if_debug()`` active.
-    ``native`` (default: unless ``BUFREUSE_NATIVE=0``): the hot path in C where it builds
-    (:mod:`bufreuse.native`; production mode only, debug mode always runs the Python one).
     """
 
     def __init__(
-        self,
-        device: torch.device | str | None = None,
-        *,
-        debug: bool | None = None,
-        watchdog_s: float | None = None,
-        native: bool | None = None,
+        self, device: torch.device | str | None = None, *, debug: bool | None = None, watchdog_s: float | None = None
     ) -> None:
         self.device = resolve_device(device)
         self.debug = env_debug() if debug is None else bool(debug)
         self.watchdog: Watchdog | None = Watchdog(watchdog_s) if self.debug and self.device.type == "cuda" else None
-        use_native = (os.environ.get("BUFREUSE_NATIVE", "1") != "0") if native is None else bool(native)
-        self.hotpath: ModuleType | None = hotpath() if use_native and not self.debug else None
-        """The C hot path integrations call (None: the Python one; :func:`bufreuse.native.status` says why)."""
         self._entries: dict[str, BufferRing | AllocatingBuffer] = {}
         self._specs: dict[str, tuple[Policy, int, tuple[int, ...], torch.dtype]] = {}
         self._rings_by_storage = StorageIndex()
         self._trackers = (
-            SavedTracker(self._rings_by_storage, strict=False, hotpath=self.hotpath),
-            SavedTracker(self._rings_by_storage, strict=True, hotpath=self.hotpath),
+            SavedTracker(self._rings_by_storage, strict=False),
+            SavedTracker(self._rings_by_storage, strict=True),
         )
         self._phase = Phase.EAGER
 
@@ -144,7 +131,6 @@ class BufferPool:
                 max_bytes=max_bytes if num_slots == "auto" else None,
                 registry=self._rings_by_storage,
             )
-            entry._hot = self.hotpath  # its public acquire / release_when_unsaved take the C path too
         else:
             entry = AllocatingBuffer(name, pol.value, spec[2], dtype, self.device, debug=self.debug)
         entry._phase = self._phase  # registered between capture and after_replay: joins the pool's phase

@@ -18,7 +18,6 @@ GPU work.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
@@ -28,7 +27,6 @@ from typing import Any
 
 import torch
 
-from bufreuse.native import hotpath, native_base
 from bufreuse.pool._config import check_config, resolve_device, storage_ptr
 from bufreuse.pool._device import DeviceOps, env_debug, is_capturing
 from bufreuse.pool._state import Phase, RingStats, StorageIndex, _Slot
@@ -68,12 +66,7 @@ def poison_value(dtype: torch.dtype) -> float | int | bool:
     return -1 if dtype.is_signed else torch.iinfo(dtype).max
 
 
-_RING_BASES = (SavedRefCounting, RingCapacity, RingLifecycle)
-if native_base("Ring") is not object:  # the hot fields in the C struct the C hot path reads (bufreuse.native)
-    _RING_BASES = (native_base("Ring"), *_RING_BASES)
-
-
-class BufferRing(*_RING_BASES):
+class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
     """``num_slots`` persistent buffers of at most ``max_shape`` handed out in rotation.
 
     Args:
@@ -179,9 +172,6 @@ class BufferRing(*_RING_BASES):
         self._late_records = 0
         self._marks_elided = 0  # reader marks of deferred slots not recorded (written under the lock)
         self._marks_late = 0  # ... recorded late after all: the final release came on another stream
-        self._hot: Any = None
-        """The C hot path ``acquire`` and ``release_when_unsaved`` try first (``BufferPool`` sets it in production mode:
-        callers outside the C hooks, such as the dispatch path's, then skip the Python body in the common case)."""
         self._poison_value = poison_value(dtype)
         self.poisoned = 0
         """Slot fills done by debug-mode poisoning (0 in production mode: it does no extra work)."""
@@ -210,11 +200,6 @@ class BufferRing(*_RING_BASES):
                 eager ring acquired under a capture it was not prepared for (a per-layer graph; checked in
                 production mode too, one C call per acquisition).
         """
-        hot = self._hot
-        if hot is not None and stream is None and dtype is None:
-            view = hot.acquire(self, shape)  # None: not the common case, which the code below handles
-            if view is not None:
-                return view
         if self._phase is Phase.GRAPHED:
             raise CaptureStateError(
                 f"ring '{self.name}': acquire after a CUDA-graph capture; call after_replay(stream) once the "
@@ -279,9 +264,6 @@ class BufferRing(*_RING_BASES):
             SavedForBackwardError: autograd still holds a tracked saved reference to the slot, or a
                 :class:`Hold` is active (use ``release_when_unsaved``).
         """
-        hot = self._hot
-        if hot is not None and stream is None and hot.release(self, tensor):
-            return  # nothing saved or held: release and release_when_unsaved are the same here
         slot = self._by_id.pop(id(tensor), None)
         if slot is None:
             self._release_other(tensor, stream)
@@ -321,11 +303,6 @@ class BufferRing(*_RING_BASES):
         Raises:
             DoubleReleaseError, ForeignTensorError, StaleAliasError: wrong tensor (before any GPU work).
         """
-        hot = self._hot
-        if hot is not None and stream is None:
-            now = hot.release_when_unsaved(self, tensor)
-            if now is not None:
-                return now  # released now or deferred by the C path (None: anything else, handled below)
         slot = self._by_id.pop(id(tensor), None)
         if slot is None:
             self._release_other(tensor, stream)
@@ -611,7 +588,3 @@ class BufferRing(*_RING_BASES):
                 f"ring '{self.name}': eager acquire between prepare_capture() and the capture; the captured "
                 "step must start with the cursor at slot 0"
             )
-
-
-if hotpath() is not None:
-    hotpath().configure(Phase.EAGER, torch.Tensor, collections.deque)

@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bufreuse.native import hotpath as native_hotpath
-from bufreuse.native import native_base
 from bufreuse.pool._device import saved_hooks_push_pop
 from bufreuse.pool._state import Phase, StorageIndex
 from bufreuse.pool.errors import SavedForBackwardError
@@ -46,17 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["Hold", "SavedRefCounting", "SavedTracker", "track_saved"]
 
 
-_SAVED_REF_BASE = native_base("SavedRef")
+class _SavedRef:
+    """One autograd-saved reference to a held slot; freeing it (autograd drops it) counts it down."""
 
-
-class _SavedRef(_SAVED_REF_BASE):
-    """One autograd-saved reference to a held slot; freeing it (autograd drops it) counts it down.
-
-    Where the C hot path builds, its fields are the C struct's and freeing it runs the C finalizer (the same
-    steps as ``__del__`` below, which falls back to ``_untrack`` for the rest); the C pack makes these directly.
-    """
-
-    __slots__ = () if _SAVED_REF_BASE is not object else ("epoch", "generation", "ring", "slot", "tensor")
+    __slots__ = ("epoch", "generation", "ring", "slot", "tensor")
 
     def __init__(self, tensor: torch.Tensor, ring: BufferRing, slot: _Slot, epoch: int) -> None:
         self.tensor = tensor
@@ -76,12 +67,10 @@ class _SavedRef(_SAVED_REF_BASE):
             )
         return self.tensor
 
-    if _SAVED_REF_BASE is object:
-
-        def __del__(self) -> None:
-            ring = self.ring
-            if ring is not None:
-                ring._untrack(self.slot, self.generation, self.epoch)
+    def __del__(self) -> None:
+        ring = self.ring
+        if ring is not None:
+            ring._untrack(self.slot, self.generation, self.epoch)
 
 
 class Hold:
@@ -223,10 +212,7 @@ class SavedRefCounting:
         slot.marks.append((stream, event, False))
 
 
-_TRACKER_BASE = native_base("Tracker")
-
-
-class SavedTracker(_TRACKER_BASE):
+class SavedTracker:
     """A reusable ``track_saved`` region over one pool's ring storage.
 
     The pack/unpack pair is built once (per pool and strictness), so entering a region costs one
@@ -236,10 +222,10 @@ class SavedTracker(_TRACKER_BASE):
     (the hooks themselves are per thread, as torch keeps them).
     """
 
-    __slots__ = () if _TRACKER_BASE is not object else ("_depth", "_pop", "_push", "regions", "strict")
+    __slots__ = ("_depth", "_pop", "_push", "regions", "strict")
 
-    def __init__(self, registry: Mapping[int, BufferRing], *, strict: bool = False, hotpath: Any = None) -> None:
-        self._push, self._pop = saved_hooks_push_pop(*_pack_unpack(registry, strict, hotpath))
+    def __init__(self, registry: Mapping[int, BufferRing], *, strict: bool = False) -> None:
+        self._push, self._pop = saved_hooks_push_pop(*_pack_unpack(registry, strict))
         self._depth = 0
         self.strict = bool(strict)
         self.regions = 0
@@ -272,8 +258,7 @@ class SavedTracker(_TRACKER_BASE):
         return self._depth > 0
 
 
-def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool, hotpath: Any = None) -> tuple[Any, Any]:
-    """The hooks' pair; ``hotpath`` (:mod:`bufreuse.native`): the same pair in C over a ``StorageIndex``."""
+def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool) -> tuple[Any, Any]:
     spans = registry.spans if isinstance(registry, StorageIndex) else None
 
     def pack(tensor: torch.Tensor) -> Any:
@@ -285,11 +270,6 @@ def _pack_unpack(registry: Mapping[int, BufferRing], strict: bool, hotpath: Any 
             if first <= ptr < end:
                 return ring._track(tensor, storage, strict)
         return tensor
-
-    if spans is not None and hotpath is not None:
-        pack = hotpath.Pack(spans, strict)
-        if _SAVED_REF_BASE is getattr(hotpath, "SavedRef", None):  # the C unpack knows this module's references
-            return pack, hotpath.unpack  # Python's unpack only for the error it raises
 
     if spans is None:  # a plain mapping: look the storage pointer up
         get = registry.get
@@ -326,7 +306,3 @@ def track_saved(registry: Mapping[int, BufferRing], *, strict: bool = False) -> 
             acquired again since the save.
     """
     return SavedTracker(registry, strict=strict)
-
-
-if _SAVED_REF_BASE is not object:
-    native_hotpath().saved_ref_class(_SavedRef)  # what the C pack makes

@@ -468,12 +468,8 @@ def hook_fc2_release(inst: Installation, layer: Any, queue: deque[Held]) -> None
     skip = passthrough_combine_stages(disp)
     debug = pool.debug
     views = pool.views_ring_storage
-    hot = getattr(pool, "hotpath", None)  # production mode: the same steps in C (bufreuse.native)
 
     def _after(stage: Callable[..., Any]) -> Callable[..., Any]:
-        if hot is not None:
-            return functools.wraps(stage)(hot.AfterStage(stage, queue, pool.track_saved()))
-
         def combine_stage(*args: Any, **kwargs: Any) -> Any:
             if not queue and not debug:
                 return stage(*args, **kwargs)

@@ -27,7 +27,6 @@ from bufreuse.errors import BackendContractError, ConfigError
 from bufreuse.integrations._compat_megatron import te_fused_impl
 from bufreuse.integrations.core import Held, dtype_refusal, with_reuse_hint
 from bufreuse.integrations.features import accepts_keyword
-from bufreuse.native import native_base
 from bufreuse.pool import EarlyReuseError
 
 __all__ = [
@@ -100,8 +99,8 @@ def require_fused_output_buffer(experts: Any, experts_module: Any) -> None:
 ROUTE = "_bufreuse_fc2_route"
 """Instance attribute of a hooked FC2 module: its :class:`Fc2Route` (what the routing class's forward reads)."""
 
-_ROUTING: dict[tuple[type, Any], type] = {}
-"""(FC2 module class, shim forward) -> its routing subclass (made once per class and forward: Python's or C's)."""
+_ROUTING: dict[type, type] = {}
+"""FC2 module class -> its routing subclass (made once per class)."""
 
 
 def out_route_class(cls: type) -> type | None:
@@ -113,17 +112,10 @@ def out_route_class(cls: type) -> type | None:
     return None
 
 
-_ROUTE_BASE = native_base("Route")
-
-
-class Fc2Route(_ROUTE_BASE):
+class Fc2Route:
     """One hooked FC2 module's state: where its output goes (a ring slot) and where the slot is queued."""
 
-    __slots__ = (
-        ()
-        if _ROUTE_BASE is not object
-        else ("cols", "dtype", "entry", "name", "pool", "queue", "row_bytes", "te_forward")
-    )
+    __slots__ = ("cols", "dtype", "entry", "name", "pool", "queue", "row_bytes", "te_forward")
 
     def __init__(self, pool: Any, name: str, cols: int, queue: Any, te_forward: Callable[..., Any]) -> None:
         self.pool = pool
@@ -169,37 +161,14 @@ def _routing_forward(self: Any, inp: Any, m_splits: Any, *args: Any, **kwargs: A
         result = route.te_forward(self, inp, m_splits, *args, out=slot, **kwargs)
         y = result[0] if type(result) is tuple else result
         if y.data_ptr() != lo:
-            raise _ignored_out()
+            raise BackendContractError(
+                "Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)"
+            )
     except BaseException:
         route.entry.release(slot)
         raise
     route.queue.append(Held(route.pool, route.name, slot, route.entry, (lo, lo + rows * route.row_bytes)))
     return result
-
-
-def _ignored_out() -> BackendContractError:
-    return BackendContractError("Transformer Engine", "GroupedLinear.forward", "ignored out= (returned other storage)")
-
-
-def native_routing_forward(pool: Any) -> Any:
-    """:func:`_routing_forward` in C (``pool.hotpath``: production mode, where it builds), else None.
-
-    The C form does the common case (a free slot, eager) and calls :func:`_routing_forward` for the rest, before
-    it has changed anything.
-    """
-    hot = getattr(pool, "hotpath", None)
-    if hot is None:
-        return None
-    forward = _NATIVE_FORWARD.get(id(hot))
-    if forward is None:  # one per extension: nothing in it is a pool's, so every FC2 class shares its routing class
-        forward = hot.IntoRing(ROUTE, _routing_forward, Held, _ignored_out)
-        forward.__name__, forward.__qualname__ = "forward", "_routing_forward[C]"
-        forward.__module__, forward.__doc__ = __name__, _routing_forward.__doc__
-        _NATIVE_FORWARD[id(hot)] = forward
-    return forward
-
-
-_NATIVE_FORWARD: dict[int, Any] = {}
 
 
 def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> type:
@@ -211,8 +180,8 @@ def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> 
     calls TE's with ``out=``. Only instances switched to it (:func:`route_into_ring`) take the route: FC1,
     other layers and uninstalled modules run their own class untouched.
     """
-    default = forward is _routing_forward or forward in _NATIVE_FORWARD.values()  # shared forwards: shared classes
-    routed = _ROUTING.get((cls, forward)) if default else None
+    default = forward is _routing_forward
+    routed = _ROUTING.get(cls) if default else None
     if routed is None:
         te_cls = out_route_class(cls)
         if te_cls is None:
@@ -222,19 +191,14 @@ def routing_class(cls: type, forward: Callable[..., Any] = _routing_forward) -> 
         bases = (shim,) if cls is te_cls else (cls, shim)
         routed = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         if default:
-            _ROUTING[(cls, forward)] = routed
+            _ROUTING[cls] = routed
     return routed
 
 
 def route_into_ring(installation: Any, module: Any, route: Fc2Route) -> None:
     """Switch ``module`` (an FC2 ``GroupedLinear``) to :func:`routing_class` with ``route``; undone at uninstall."""
-    from bufreuse.integrations import core
-
     cls = type(module)
-    clock, forward = core.INSTRUMENT, native_routing_forward(route.pool) or _routing_forward
-    if clock is not None:  # a measurement: the shim timed, or in a stand-in round an empty frame calling TE's forward
-        forward = clock.stand_in(route.te_forward) if clock.empty else clock.hook(forward)
-    routed = routing_class(cls, forward)
+    routed = routing_class(cls)
     installation.override(module, ROUTE, route)
     module.__class__ = routed
     installation.entry_points.append((module, "forward"))
