@@ -382,6 +382,16 @@ def _expert(cfg: Any, path: str | None) -> tuple[ReleasePoint, str, tuple[str, .
     return ReleasePoint.FORWARD, "combine copies the FC2 output in forward; nothing saves it", ("deterministic_mode",)
 
 
+_SAVED = (ReleasePoint.BACKWARD, ReleasePoint.WGRAD)
+
+
+def _may_receive_nothing(cfg: Any, path: str | None) -> bool:
+    """Whether a rank's all-to-all dispatch output can be empty: EP > 1 without pad-to-capacity (dropless or
+    capacity-bounded routing can send a rank no token; padded, every rank receives capacity rows per expert)."""
+    _, ep, _ = _parallel(cfg)
+    return path == "alltoall" and ep > 1 and not bool(_get(cfg, "moe_pad_expert_input_to_capacity", False))
+
+
 def release_rule(cfg: Any, buffer: str, *, path: str | None = None) -> ReleaseRule:
     """Where ``buffer`` (``dispatch`` or ``expert``) is released under ``cfg``.
 
@@ -400,6 +410,13 @@ def release_rule(cfg: Any, buffer: str, *, path: str | None = None) -> ReleaseRu
     data_dependent = point is _DATA_DEPENDENT_BACKWARD
     if data_dependent:
         point = ReleasePoint.BACKWARD
+    elif buffer == "dispatch" and point in _SAVED and _may_receive_nothing(cfg, path):
+        data_dependent = True
+        reason += (
+            "; without pad-to-capacity at EP > 1 a rank that receives no tokens gets an empty slot, which nothing "
+            "saves: released at the forward"
+        )
+        fields = (*fields, "expert_model_parallel_size", "moe_pad_expert_input_to_capacity")
     recompute = moe_recompute(cfg) and point is not ReleasePoint.REFUSED
     if recompute:
         reason += "; MoE recompute: the checkpointed forward saves nothing, the recomputed one acquires again"
