@@ -125,11 +125,15 @@ def test_advise_on_a_megatron_shaped_snapshot_with_args(tmp_path: Path) -> None:
     assert p1["control_model_max_reserved_bytes"] == 4 * BLOCK and p1["change"] == -0.5
     assert out["gain"] is True
     assert out["check_config"]["ok"] is True
+    # EP 2 without EP overlap: the stream rule expects nothing pending-free (torch >= 2.8 NCCL), the trace says
+    # otherwise; the measurement wins, with a warning per buffer and the knob that keeps the rings in use
     assert out["flags"] == [
         "--moe-hybridep-reuse-dispatch-output-buffers",
         "--moe-hybridep-num-dispatch-output-buffers 1",
         "--moe-hybridep-num-expert-output-buffers 1",
+        "--moe-bufreuse-keep-unused-rings",
     ]
+    assert sum("install() would leave its ring unused" in w for w in out["warnings"]) == 2
     screen = runner.invoke(app, ["advise", str(snap), "--args", str(args), "--num-microbatches", "6"],
                            env={"COLUMNS": "160"})  # fmt: skip
     assert screen.exit_code == 0, screen.output
@@ -166,3 +170,53 @@ def test_advise_refuses_config_and_args_together(tmp_path: Path) -> None:
     args.write_text(ARGS.format(ep=2))
     res = runner.invoke(app, ["advise", str(CONTROL), "--args", str(args), "--config", str(args)])
     assert res.exit_code == 2 and "not both" in res.output
+
+
+RECORD_STREAM = Path(__file__).parent / "data" / "snapshots" / "record_stream.pickle.gz"
+
+
+def _strip_frames(obj: Any) -> Any:
+    """``obj`` with every ``frames`` list emptied (a snapshot recorded without stacks)."""
+    if isinstance(obj, dict):
+        return {k: [] if k == "frames" else _strip_frames(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip_frames(v) for v in obj]
+    return obj
+
+
+def test_advise_cannot_tell_when_the_pending_free_blocks_have_no_frames(tmp_path: Path) -> None:
+    for frames in ([], None):  # an empty stack, and entries with no "frames" key at all
+        snap = _megatron_trace(tmp_path, [], [])
+        if frames is None:
+            raw = pickle.loads(snap.read_bytes())
+            for e in raw["device_traces"][0]:
+                del e["frames"]
+            write(snap, raw)
+        out = _json(str(snap))
+        assert out["moe_sites"] == [] and out["pending_free_at_max_active_bytes"] == 2 * BLOCK
+        assert out["gain"] is False and out["verdict"].startswith("cannot tell"), out["verdict"]
+        assert "2 pending-free block(s)" in out["verdict"]
+        assert out["frameless_pending_free_at_max_active_bytes"] == 2 * BLOCK
+    # positive control: the same trace with frames that are not MoE buffers (C++ only, or a CNN) has nothing to gain
+    for frames in (NATIVE, [*NATIVE, *CNN]):
+        out = _json(str(_megatron_trace(tmp_path, frames, frames)))
+        assert out["verdict"].startswith("nothing to gain"), out["verdict"]
+        assert out["frameless_pending_free_at_max_active_bytes"] == 0
+
+
+def test_advise_cannot_tell_on_the_recorded_snapshot_stripped_of_its_frames(tmp_path: Path) -> None:
+    """The bundled record_stream recording (3 dispatch blocks pending free) with its stacks removed."""
+    whole = _json(str(RECORD_STREAM))
+    assert whole["moe_pending_free_at_max_active_bytes"] > 0  # positive control: with frames, MoE buffers show
+    raw = pickle.loads(gzip.decompress(RECORD_STREAM.read_bytes()))
+    snap = write(tmp_path / "frameless.pickle", _strip_frames(raw))
+    out = _json(str(snap))
+    assert out["verdict"].startswith("cannot tell") and out["gain"] is False and out["flags"] == []
+    assert out["frameless_pending_free_at_max_active_bytes"] == whole["pending_free_at_max_active_bytes"]
+
+
+def test_advise_warns_that_frameless_blocks_may_hide_moe_buffers(tmp_path: Path) -> None:
+    snap = _megatron_trace(tmp_path, [*NATIVE, *MEGATRON], [])
+    out = _json(str(snap))
+    assert {s["category"] for s in out["moe_sites"]} == {"dispatch_output"}
+    assert any("no frames" in w and "1 pending-free block(s)" in w for w in out["warnings"]), out["warnings"]

@@ -12,7 +12,9 @@ It reads one control snapshot once and joins what the project already computes:
 
 "Nothing to gain" is said plainly when no MoE buffer waits in the pending-free queue, or when every waiting
 buffer's ring would be unused by the config (:func:`bufreuse.config.unused_rings`, the rule ``install()`` and
-the planner use: all-to-all at EP = 1 for the dispatch, at EP x expert TP = 1 for the FC2 output).
+the planner use: all-to-all at EP = 1 for the dispatch, at EP x expert TP = 1 for the FC2 output). "Cannot
+tell" when no MoE buffer is seen but some waiting blocks carry no frames (recorded without stacks, or
+allocated before the trace began): what they are cannot be read, so absence is not shown.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from bufreuse.analysis.snapshot.load import normalise
 from bufreuse.analysis.snapshot.report import ReportConfig, analyze
+from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, NO_FRAMES_SITE
 from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.analysis.snapshot.whatif import what_if_data
 from bufreuse.config import BUFFERS, BufReuseConfig, dispatch_path, unused_rings
@@ -50,6 +53,8 @@ class Advice:
     max_reserved_bytes: int
     pending_free_bytes: int
     moe_sites: list[dict[str, Any]]
+    frameless: list[dict[str, Any]] = field(default_factory=list)
+    """Pending-free groups at max active whose allocation frames are absent (what they are is unknown)."""
     depth: dict[str, int] = field(default_factory=dict)  # buffer key -> slots
     depth_source: str = "none"  # "planner" | "trace" | "none"
     depth_notes: list[str] = field(default_factory=list)
@@ -66,6 +71,10 @@ class Advice:
     def moe_pending_bytes(self) -> int:
         return sum(s["total_bytes"] for s in self.moe_sites)
 
+    @property
+    def frameless_bytes(self) -> int:
+        return sum(s["total_bytes"] for s in self.frameless)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "file": self.file,
@@ -76,6 +85,7 @@ class Advice:
             "pending_free_at_max_active_bytes": self.pending_free_bytes,
             "moe_pending_free_at_max_active_bytes": self.moe_pending_bytes,
             "moe_sites": self.moe_sites,
+            "frameless_pending_free_at_max_active_bytes": self.frameless_bytes,
             "depth": {"source": self.depth_source, "slots": self.depth, "notes": self.depth_notes},
             "what_if": {"model_calibration_error": self.calibration_error, "predictions": self.predictions},
             "check_config": None if not self.checked else {"ok": not self.unmet, "unmet": self.unmet},
@@ -150,8 +160,14 @@ def _join(
         max_reserved_bytes=report["max_reserved_bytes"],
         pending_free_bytes=report["pending_free_at_max_active_bytes"],
         moe_sites=moe,
+        frameless=[
+            {k: g[k] for k in ("site", "count", "size_bytes", "total_bytes", "stream")}
+            for g in report["pending_free_groups_at_max_active"]
+            if g["site"] in (NO_FRAMES_SITE, BEFORE_TRACE_SITE)
+        ],
         warnings=list(report["warnings"]),
     )
+    unread = _frameless_text(adv.frameless)
     wanted = sorted({CATEGORY_BUFFER[s["category"]] for s in moe}, key=list(BUFFERS).index)
     if check is not None:
         adv.checked = True
@@ -161,6 +177,11 @@ def _join(
             if not r["ok"] and (not wanted or r["buffer"] in wanted)
         ]
     unused = _unused(fields, wanted) if fields is not None else {}
+    if not moe and unread:
+        adv.verdict = f"cannot tell: {unread}, so whether MoE buffers wait in the pending-free queue is unknown"
+        return adv
+    if unread:
+        adv.warnings.append(f"{unread}: the MoE figures count only the blocks with frames and may be low")
     if not moe:
         adv.verdict = (
             "nothing to gain here: no MoE buffer (dispatch or expert output) waits in the pending-free queue at the "
@@ -284,6 +305,21 @@ def _verdict(adv: Advice) -> None:
             f"nothing to gain here: {mib:,.0f} MiB of MoE buffers wait pending-free, but the ring storage at "
             f"{at['slots']} slot(s) costs as much: what-if predicts {-saved:+,.0f} MiB max reserved ({change:+.1%})"
         )
+
+
+def _frameless_text(groups: list[dict[str, Any]]) -> str:
+    """What the frameless pending-free groups are and how to record them, or "" when there are none."""
+    parts = []
+    for site, why in (
+        (NO_FRAMES_SITE, "carry no frames (record with torch.cuda.memory._record_memory_history(stacks='python'))"),
+        (BEFORE_TRACE_SITE, "were allocated before the trace began, so their frames are not in it (record with "
+                            "a larger max_entries)"),
+    ):  # fmt: skip
+        g = [x for x in groups if x["site"] == site]
+        if g:
+            count, total = sum(x["count"] for x in g), sum(x["total_bytes"] for x in g)
+            parts.append(f"{count} pending-free block(s) at max active ({total / 2**20:,.0f} MiB) {why}")
+    return "; ".join(parts)
 
 
 def _unused(fields: Mapping[str, Any], wanted: list[str]) -> dict[str, str]:

@@ -20,7 +20,7 @@ import numpy as np
 from bufreuse.analysis.snapshot.load import EventTable, FinalState, SnapshotData
 from bufreuse.analysis.snapshot.replay import Replay, pending_blocks_at, replay
 from bufreuse.analysis.snapshot.schema import ALLOC, OOM
-from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, UNKNOWN_SITE, SiteRules
+from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, NO_FRAMES_SITE, UNKNOWN_SITE, SiteRules
 from bufreuse.analysis.snapshot.validate import MAX_FRAMES, U64
 
 __all__ = ["ReportConfig", "Timeline", "analyze"]
@@ -262,6 +262,8 @@ def _stack_namer(rules: SiteRules) -> Callable[[Any], tuple[str, str]]:
     seen: dict[tuple[Any, ...], tuple[str, str]] = {}
 
     def name(frames: Any) -> tuple[str, str]:
+        if not frames:  # None, missing or []: recorded without stacks
+            return NO_FRAMES_SITE, "other"
         if not isinstance(frames, list):
             return UNKNOWN_SITE, "other"
         try:

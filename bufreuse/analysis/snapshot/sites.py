@@ -31,6 +31,7 @@ __all__ = [
     "BEFORE_TRACE_SITE",
     "BUILTIN_CATEGORIES",
     "DEFAULT_SITE_SKIP",
+    "NO_FRAMES_SITE",
     "UNKNOWN_SITE",
     "SiteRules",
     "parse_category_options",
@@ -58,6 +59,8 @@ DEFAULT_SITE_SKIP: tuple[str, ...] = (
     _WIN_STDLIB,
 )
 UNKNOWN_SITE = "<no user frame>"
+NO_FRAMES_SITE = "<no frames>"
+"""A block whose alloc carries no frame at all (recorded without stacks): what it is cannot be read."""
 BEFORE_TRACE_SITE = "<alloc not in trace>"
 
 
