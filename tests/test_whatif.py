@@ -279,3 +279,22 @@ def test_model_control_replay_matches_the_real_allocator_gpu(tmp_path: Path) -> 
         torch.cuda.memory._record_memory_history(enabled=None)
     r = what_if(path, [1], sites=["test_whatif"])
     assert abs(r.calibration_error) <= 0.02, r.to_json()
+
+
+def test_a_trace_without_allocations_says_so(tmp_path: Path) -> None:
+    """The bundled empty_cache recording cut to its segment frees (a trace begun after every tensor was freed)."""
+    import pickle
+
+    src = Path(__file__).parent / "data" / "snapshots" / "empty_cache.pickle"
+    raw = pickle.loads(src.read_bytes())
+    raw["device_traces"] = [[e for e in t if e["action"] == "segment_free"] for t in raw["device_traces"]]
+    assert sum(map(len, raw["device_traces"])) == 2
+    snap = write(tmp_path / "no_allocs.pickle", raw)
+    res = runner.invoke(app, ["what-if", str(snap), "--slots", "2"])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "the trace holds no allocations" in lines[0], lines
+    assert "2 segment_free" in lines[0] and "matches the sites" not in lines[0]
+    # positive control: the whole recording holds allocations, none at a MoE site
+    whole = runner.invoke(app, ["what-if", str(src), "--slots", "2"])
+    assert whole.exit_code == 2 and "no allocation in the trace matches the sites" in whole.stderr

@@ -36,6 +36,7 @@ import numpy as np
 from bufreuse.analysis.snapshot.allocator_model import AllocatorModel, round_size
 from bufreuse.analysis.snapshot.load import FinalState, SnapshotData, load_snapshot, normalise
 from bufreuse.analysis.snapshot.replay import replay
+from bufreuse.analysis.snapshot.schema import ACTIONS, ALLOC
 from bufreuse.analysis.snapshot.sites import SiteRules
 from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.analysis.snapshot.whatif_trace import (
@@ -196,6 +197,14 @@ def what_if_data(
     replays = {d: replay(t, data.final.get(d, FinalState())) for d, t in data.traces.items()}
     dev = max(replays, key=lambda d: replays[d].max_reserved)
     t, rp = data.traces[dev], replays[dev]
+    if not np.any(t.action == ALLOC):
+        codes, counts = np.unique(t.action, return_counts=True)
+        held = ", ".join(f"{c} {ACTIONS[a] if a < len(ACTIONS) else 'other'}" for a, c in
+                         zip(codes.tolist(), counts.tolist(), strict=True))  # fmt: skip
+        raise InputError(
+            f"{data.path}: the trace holds no allocations (device {dev}: {held}), so nothing can be put on a ring; "
+            "record with torch.cuda.memory._record_memory_history() before the training steps"
+        )
     warnings = list(data.warnings) + settings_warnings(raw)
     ops = TraceOps.build(t, device_segments(raw, dev), warnings)
     max_split = max_split_size(raw)
