@@ -11,6 +11,10 @@ code, so a bug in the report cannot confirm itself:
 - "the control's 4,864 MiB pending-free queue at the max-active point drops to 0": a walk over the trace.
 - "what-if predicts ring-2/4/10's max reserved exactly": the prediction from the control's trace equals
   torch's counter of each ring run.
+
+And every figure the README quotes in its text and tables (not in the pasted command outputs, which
+tests/test_readme_commands.py checks against the commands) appears in docs/benchmarks.md, where its command,
+date and machine are.
 """
 
 from __future__ import annotations
@@ -31,6 +35,25 @@ MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "examples" / "sweep-h200"
 README = (ROOT / "README.md").read_text()
+BENCHMARKS = (ROOT / "docs" / "benchmarks.md").read_text()
+# A quoted figure: an interval in brackets, a pair "216 → 532 MiB", or a number with a unit, %, or ×.
+_FIGURE = re.compile(
+    r"\[[^\]]*\d[^\]]*\]"
+    r"|\d[\d,]*(?:\.\d+)?\s?→\s?\d[\d,]*(?:\.\d+)?\s?(?:MiB|GiB|µs|ms|%)"
+    r"|[+−-]?\d[\d,]*(?:\.\d+)?(?:[–-]\d[\d,]*(?:\.\d+)?)?\s?(?:%|×|MiB|GiB|µs|ms)"
+)
+
+
+def quoted_figures(markdown: str) -> list[str]:
+    """Figures in a Markdown text outside fenced blocks and HTML comments, bold markers dropped."""
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S).replace("**", "")
+    return _FIGURE.findall(text)
+
+
+def missing_from_benchmarks(markdown: str, benchmarks: str = BENCHMARKS) -> list[str]:
+    flat = " ".join(benchmarks.replace("**", "").split())
+    return [f for f in quoted_figures(markdown) if " ".join(f.split()) not in flat]
 
 
 def _metrics(config: str) -> dict:
@@ -155,3 +178,16 @@ def test_readme_headline_numbers_are_the_recomputed_ones() -> None:
     nums = re.search(r"reserves \*\*([0-9.]+)–([0-9.]+)×\*\*", README)
     assert nums is not None
     assert (float(nums.group(1)), float(nums.group(2))) == (0.45, 0.52)
+
+
+def test_every_figure_the_readme_quotes_is_in_docs_benchmarks() -> None:
+    figures = quoted_figures(README)
+    assert len(figures) >= 15  # the headline table is read (a parse that finds nothing would pass vacuously)
+    assert {"0.45–0.52×", "+0.09%", "[−0.79%, +0.98%]", "40 µs", "216 → 532 MiB"} <= set(figures)
+    assert missing_from_benchmarks(README) == []
+
+
+def test_a_figure_only_the_readme_has_is_reported() -> None:
+    text = "Rings reserve **0.45–0.52×**; eager +0.17% [−0.45%, +0.79%]; 3,333 MiB.\n```text\n9,999 MiB\n```\n"
+    assert quoted_figures(text) == ["0.45–0.52×", "+0.17%", "[−0.45%, +0.79%]", "3,333 MiB"]
+    assert missing_from_benchmarks(text) == ["3,333 MiB"]  # the fenced output is not a quoted figure
