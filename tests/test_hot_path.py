@@ -393,46 +393,34 @@ def _saves_inside(layer, targets: list[tuple[object, str]], seeds: range) -> int
     return n[0]
 
 
+def _dispatch_stages(layer) -> list[tuple[object, str]]:
+    """The stages the dispatch hook runs in a region when they receive the live slot."""
+    return [(layer.token_dispatcher, "dispatch_postprocess"), (layer, "routed_experts_compute")]
+
+
 @pytest.mark.parametrize("experts", [1, 8])
 @pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
-def test_a_directly_read_dispatch_slot_is_tracked_only_where_it_is_read(
+def test_a_directly_read_dispatch_slot_is_tracked_over_the_whole_experts_stage(
     parallel, monkeypatch, debug: bool, experts: int
 ) -> None:
-    """The experts read the dispatch slot directly (one local expert; at EP = 1 the sort is a no-op for eight):
-    production regions only ``dispatch_postprocess`` and the experts' ``linear_fc1`` (what takes the slot, or a
-    split view of it), not the experts' other saved tensors, once its first ``CHECKED_CALLS`` calls (the whole
-    stage tracked) found nothing saved elsewhere; debug mode checks every call. The release still waits for what
-    FC1 saved. The counts come from torch's own hooks on the bare layer, call by call."""
-    from bufreuse.integrations.alltoall import hooks
-
+    """The experts read the dispatch slot directly (one local expert; at EP = 1 the sort is a no-op for eight): every
+    call, from the first, production runs ``dispatch_postprocess`` and the whole ``routed_experts_compute`` in the
+    region, so every tensor they save goes through the pack hook, not only what the experts' first linear saves
+    (debug mode: the same). The release waits for what FC1 saved. The counts come from torch's own hooks on the bare
+    layer, call by call."""
     packs = _counting_packs(monkeypatch)
     layer = _layer(experts)
-    seeds = range(hooks.CHECKED_CALLS + 3)
+    seeds = range(5)
     ref = [_step(layer, s) for s in seeds]
-    fc1s = [mlp.linear_fc1 for mlp in layer.experts.local_experts]
-    stages = [(layer.token_dispatcher, "dispatch_postprocess"), *((fc1, "forward") for fc1 in fc1s)]
-    whole = [_saves_inside(layer, [(layer, "routed_experts_compute")], [s]) for s in seeds]
-    narrow = [_saves_inside(layer, stages, [s]) for s in seeds]
-    assert all(0 < n < w for n, w in zip(narrow, whole, strict=True))  # FC1 saves its input; the rest save more
-    knobs = _knobs(expert=0)  # the dispatch ring alone: nothing else is tracked
-    assert hooks.dispatch_slot_readers(layer) == tuple(fc1s)
-
-    def run() -> tuple[int, int, list]:
-        pool = BufferPool("cpu", debug=debug)
-        packs[0] = 0
-        with install(layer, pool, knobs, tokens=TOKENS, ring_identity_dispatch=True):
-            got = [_step(layer, s) for s in seeds]
-        return packs[0], pool.stats()[DISPATCH].deferred_releases, got
-
-    n, deferred, got = run()
-    checked = len(seeds) if debug else hooks.CHECKED_CALLS
-    assert n == sum(whole[:checked]) + sum(narrow[checked:])
-    assert deferred == len(seeds)  # FC1 saved the slot: every release waited for its backward
-    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
-    # positive control: where the readers are not known, the whole stage is tracked every call
-    monkeypatch.setattr(hooks, "dispatch_slot_readers", lambda layer, inst=None: None)
-    n, deferred, got = run()
-    assert n == sum(whole) and deferred == len(seeds)
+    fc1s = [(mlp.linear_fc1, "forward") for mlp in layer.experts.local_experts]
+    whole = [_saves_inside(layer, _dispatch_stages(layer), [s]) for s in seeds]
+    first_linear = [_saves_inside(layer, fc1s, [s]) for s in seeds]
+    assert all(0 < n < w for n, w in zip(first_linear, whole, strict=True))  # FC1 saves its input; the rest more
+    pool = BufferPool("cpu", debug=debug)
+    with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):  # the dispatch ring only
+        got = [_step(layer, s) for s in seeds]
+    assert packs[0] == sum(whole)
+    assert pool.stats()[DISPATCH].deferred_releases == len(seeds)  # FC1 saved the slot: every release waited
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
 
 
@@ -447,141 +435,81 @@ def _two_in_flight(layer, seeds: tuple[int, int]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("experts", [1, 8])
-def test_the_narrowed_release_waits_with_two_microbatches_in_flight(parallel, experts: int) -> None:
-    """Two slots, two forwards before either backward, after the checked calls (so the narrow regions alone count):
-    a release that did not wait for FC1's saved slot would let the second forward overwrite the first one's FC1
-    input before its weight gradient reads it."""
-    from bufreuse.integrations.alltoall import hooks
-
-    def run() -> list[torch.Tensor]:
-        for s in range(hooks.CHECKED_CALLS):  # the same calls before, hooked or not (the layer keeps state)
-            _step(layer, 10 + s)
-        return _two_in_flight(layer, (0, 1))
-
+def test_the_dispatch_release_waits_with_two_microbatches_in_flight(parallel, experts: int) -> None:
+    """Two slots, two forwards before either backward: a release that did not wait for FC1's saved slot would let
+    the second forward overwrite the first one's FC1 input before its weight gradient reads it."""
     layer = _layer(experts)
-    ref = run()
+    ref = _two_in_flight(layer, (0, 1))
     layer = _layer(experts)
     pool = BufferPool("cpu")
     with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-        got = run()
-    assert pool.stats()[DISPATCH].deferred_releases == hooks.CHECKED_CALLS + 2  # the checked calls, then these two
-    assert pool.stats()[DISPATCH].peak_held == 2
+        got = _two_in_flight(layer, (0, 1))
+    assert pool.stats()[DISPATCH].deferred_releases == 2 and pool.stats()[DISPATCH].peak_held == 2
     assert len(got) == len(ref) > 4 and all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
-def _debug_mode_raises(layer, match: str) -> None:
-    """One layer call in debug mode with the dispatch ring exercised raises ``BackendContractError`` (``match``)."""
-    debug = BufferPool("cpu", debug=True)
-    with (
-        install(layer, debug, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-        pytest.raises(BackendContractError, match=match),
-    ):
-        _step(layer, 0)
-    debug.reset()
-
-
-def test_a_save_outside_the_readers_is_caught_by_the_checked_calls(parallel, monkeypatch) -> None:
-    """A megatron-core whose ``SequentialMLP.forward`` saves the slot before FC1: production's first (checked) call
-    sees it, warns and tracks the whole stage from then on, so every release still waits; debug mode raises. A save
-    that starts only after the checked calls is the gap: production misses it, debug mode raises."""
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_a_save_before_the_first_linear_is_counted_whenever_it_starts(parallel, monkeypatch, debug: bool) -> None:
+    """A megatron-core whose ``SequentialMLP.forward`` saves the slot before FC1 (FC1 then gets a copy), starting
+    only after several clean calls: that call's release still waits for the save, with no warning (nothing is
+    sampled). Positive control: the clean calls' releases waited for FC1's save, the saving call's for the
+    multiply's (FC1 saved a copy), so each call deferred once."""
     import warnings
 
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from bufreuse.integrations.alltoall import hooks
     from bufreuse.integrations.core import ReleaseRuleWarning
 
     layer = _layer(1)
-    calls = hooks.CHECKED_CALLS + 2
-    # positive control: unpatched, nothing is reported and every release waits for FC1's save
-    for debug in (False, True):
-        pool = BufferPool("cpu", debug=debug)
-        with (
-            warnings.catch_warnings(),
-            install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-        ):
-            warnings.simplefilter("error", ReleaseRuleWarning)
-            for s in range(calls):
-                _step(layer, s)
-        assert pool.stats()[DISPATCH].deferred_releases == calls
     orig = SequentialMLP.forward
     scale = torch.ones((), requires_grad=True)
-    saving = [True]
+    saving = [False]
 
     def saving_forward(self, hidden, tokens_per_expert, probs):
         if saving[0]:
             hidden = hidden * scale  # the multiply saves the slot for scale's gradient; FC1 gets a copy
         return orig(self, hidden, tokens_per_expert, probs)
 
-    saving_forward.__module__ = SequentialMLP.__module__  # as if megatron-core's own forward had changed
     monkeypatch.setattr(SequentialMLP, "forward", saving_forward)
-    assert hooks.dispatch_slot_readers(layer) is not None  # the class check passes: megatron's own forward
-    pool = BufferPool("cpu")
+    pool = BufferPool("cpu", debug=debug)
     with (
+        warnings.catch_warnings(),
         install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-        pytest.warns(ReleaseRuleWarning, match="tracking the whole experts stage of this layer"),
     ):
-        for s in range(calls):
-            _step(layer, s)
-    assert pool.stats()[DISPATCH].deferred_releases == calls  # every multiply's save was counted, the first too
-    _debug_mode_raises(layer, "saved the dispatch slot for backward outside")
-    # forwards without grad save nothing and do not use the checks up: the first grad-enabled call still finds it
-    pool = BufferPool("cpu")
-    with (
-        install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-        pytest.warns(ReleaseRuleWarning, match="tracking the whole experts stage of this layer"),
-    ):
-        with torch.no_grad():
-            for s in range(hooks.CHECKED_CALLS):
-                _forward(layer, s)
-        _step(layer, 5)
-    assert pool.stats()[DISPATCH].deferred_releases == 1  # the grad-enabled call's save was counted
-    # the gap: clean checked calls (two in flight, F F B B), then the save starts
-    for debug in (False, True):
-        saving[0] = False
-        pool = BufferPool("cpu", debug=debug)
-        with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-            runs = [_forward(layer, s) for s in range(hooks.CHECKED_CALLS)]
+        warnings.simplefilter("error", ReleaseRuleWarning)
+        for pair in ((0, 1), (2, 3)):  # clean, two in flight at a time
+            runs = [_forward(layer, s) for s in pair]
             for y, _ in runs:
                 y.sum().backward()
-            saving[0] = True
-            if debug:
-                with pytest.raises(BackendContractError, match="saved the dispatch slot for backward outside"):
-                    _step(layer, 9)
-                pool.reset()
-            else:
-                before = pool.stats()[DISPATCH].deferred_releases
-                _step(layer, 9)
-                assert pool.stats()[DISPATCH].deferred_releases == before  # the multiply's save went unseen
+        saving[0] = True
+        y, _ = _forward(layer, 9)
+        ring = pool.get(DISPATCH)
+        assert ring.held == 1 and ring.stats.deferred_releases == 5  # held for the multiply's saved slot
+        y.sum().backward()
+        assert ring.held == 0 and scale.grad is not None
+    del y
 
 
 def test_one_region_per_layer_call_where_the_experts_read_the_dispatch_slot(parallel) -> None:
-    """Narrowed, ``dispatch_postprocess`` (which hands the slot on) opens no region: FC1's is the one per layer call,
-    nested in nothing; the checked calls' whole-stage region is one too."""
-    from bufreuse.integrations.alltoall import hooks
-
+    """``routed_experts_compute`` runs in a region when it receives the live slot, and ``dispatch_postprocess`` runs
+    inside it (megatron-core 0.19.2), its region nested: one per layer call on the dispatch path. Positive control:
+    with the FC2 ring too, each call's first copying combine stage adds one."""
     layer = _layer(1)
-    pool = BufferPool("cpu")
-    tracker = pool.track_saved()
-    with install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True):
-        before = tracker.regions
-        for s in range(hooks.CHECKED_CALLS + 4):
-            _step(layer, s)
-        regions = tracker.regions - before
-    assert regions == hooks.CHECKED_CALLS + 4
-    # positive control: with the FC2 ring too, each call's first copying combine stage adds one
-    pool = BufferPool("cpu")
-    tracker = pool.track_saved()
-    with install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True):
-        before = tracker.regions
-        for s in range(hooks.CHECKED_CALLS + 4):
-            _step(layer, s)
-        assert tracker.regions - before == 2 * (hooks.CHECKED_CALLS + 4)
+    for knobs, per_call in ((_knobs(expert=0), 1), (_knobs(), 2)):
+        pool = BufferPool("cpu")
+        tracker = pool.track_saved()
+        with install(layer, pool, knobs, tokens=TOKENS, ring_identity_dispatch=True):
+            before = tracker.regions
+            for s in range(4):
+                _step(layer, s)
+            assert tracker.regions - before == per_call * 4
 
 
-def test_a_dispatch_postprocess_that_copies_after_all_ends_the_narrowing(parallel) -> None:
-    """The readers were judged from the dispatcher's sizes; a ``dispatch_postprocess`` that copies anyway (here a
-    patched instance) is seen on the first checked call: a warning, every stage tracked from then on (debug: raises)."""
+def test_a_dispatch_postprocess_that_copies_releases_the_slot_there(parallel) -> None:
+    """A ``dispatch_postprocess`` that copies (here a patched instance) is the slot's last forward reader: it runs in
+    the region, the slot is released when it returns, and the experts, which get the copy, open no region."""
+    import warnings
+
     from bufreuse.integrations.core import ReleaseRuleWarning
 
     layer = _layer(1)
@@ -597,76 +525,20 @@ def test_a_dispatch_postprocess_that_copies_after_all_ends_the_narrowing(paralle
         pool = BufferPool("cpu")
         tracker = pool.track_saved()
         with (
+            warnings.catch_warnings(),
             install(layer, pool, _knobs(expert=0), tokens=TOKENS, ring_identity_dispatch=True),
-            pytest.warns(ReleaseRuleWarning, match="copied the dispatch slot"),
         ):
+            warnings.simplefilter("error", ReleaseRuleWarning)
             before = tracker.regions
             for s in range(4):
-                _step(layer, s)
+                y, _ = _forward(layer, s)
+                assert pool.get(DISPATCH).held == 0  # released before the backward: nothing saved the slot
+                y.sum().backward()
             regions = tracker.regions - before
-        assert regions == 4  # one per call: the checked call's, then the whole stage's
-        assert pool.stats()[DISPATCH].releases == 4
-        _debug_mode_raises(layer, "copied the dispatch slot")
+        assert regions == 4  # dispatch_postprocess's, once per call
+        assert pool.stats()[DISPATCH].releases == 4 and pool.stats()[DISPATCH].deferred_releases == 0
     finally:
         del disp.dispatch_postprocess
-
-
-def test_dispatch_slot_readers_fall_back_to_the_whole_stage(parallel) -> None:
-    """Readers are known only for the stock classes: anything that may read the slot elsewhere tracks everything."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    from bufreuse.integrations.alltoall.hooks import dispatch_slot_readers
-
-    layer = _layer(1)
-    assert dispatch_slot_readers(layer) == (layer.experts.local_experts[0].linear_fc1,)  # positive control
-    assert dispatch_slot_readers(_layer(1, probs_on_input=True)) is None  # probs * hidden saves it
-    layer.experts.forward = layer.experts.forward  # an instance patch from elsewhere
-    assert dispatch_slot_readers(layer) is None
-    del layer.experts.forward
-    mlp = layer.experts.local_experts[0]
-    mlp.forward = mlp.forward
-    assert dispatch_slot_readers(layer) is None
-    del mlp.forward
-
-    class Sub(SequentialMLP):
-        def forward(self, *args, **kwargs):
-            return super().forward(*args, **kwargs)
-
-    layer.experts.__class__ = Sub
-    assert dispatch_slot_readers(layer) is None
-    layer.experts.__class__ = SequentialMLP
-    assert dispatch_slot_readers(layer) is not None
-
-
-def test_dispatch_slot_readers_only_where_the_experts_receive_the_slot(parallel, monkeypatch) -> None:
-    """The sort or the tensor-parallel gather copies the slot: the experts never see it, nothing is narrowed."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    from bufreuse.integrations.alltoall.hooks import dispatch_slot_readers
-
-    one, eight = _layer(1), _layer(8)
-    assert dispatch_slot_readers(one) and dispatch_slot_readers(eight)  # EP = 1: pad mode's sort is a no-op
-    for layer, field, value, narrowed in (
-        (one, "ep_size", 2, True),  # one local expert: no sort at any EP
-        (eight, "ep_size", 2, False),  # the sort copies
-        (eight, "drop_and_pad", False, False),  # dropless: sort_chunks_by_idxs copies at EP = 1 too
-        (one, "tp_size", 2, False),  # the gather copies
-    ):
-        disp = layer.token_dispatcher
-        old = getattr(disp, field)
-        setattr(disp, field, value)
-        try:
-            assert (dispatch_slot_readers(layer) is not None) is narrowed, (field, value)
-        finally:
-            setattr(disp, field, old)
-    # a class-level patch from another module (not megatron-core's code): not narrowed
-    orig = SequentialMLP.forward
-
-    def patched(self, *args, **kwargs):
-        return orig(self, *args, **kwargs)
-
-    monkeypatch.setattr(SequentialMLP, "forward", patched)
-    assert dispatch_slot_readers(one) is None
 
 
 def test_a_hooked_layer_gives_the_bare_layers_results_and_releases_every_slot(parallel) -> None:
@@ -707,3 +579,73 @@ def test_the_hooked_layer_leaks_no_reference(parallel) -> None:
         after = [sys.getrefcount(o) for o in watched]
         grown = len(gc.get_objects()) - objects
     assert after == before and grown < 40
+
+
+class _SaveInput(torch.autograd.Function):
+    """``2 * x``, saving ``x`` for backward (whose gradient reads it): a reader of whatever ``x`` views."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_a_module_hook_added_late_that_saves_the_slot_defers_its_release(parallel, debug: bool) -> None:
+    """A user's forward pre-hook on the experts, registered after several clean calls, saves their input (the
+    dispatch slot itself: one local expert) through an autograd Function whose output stays alive. The slot's
+    release waits for that saved tensor: the ring does not hand the slot out again while it lives (two later calls
+    use the other slot), and the kept output's backward reads the data it saved. Outputs, input gradients and the
+    kept output's gradient are bit-equal to the bare layer's running the same hook."""
+    clean, later = 6, 2
+
+    def run(pool: BufferPool | None) -> tuple[list, torch.Tensor, dict]:
+        layer = _layer(1)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def save_input(module, args):
+            leaf = args[0].detach().requires_grad_(True)  # the slot's storage, a leaf whose gradient we read
+            kept.append((leaf, _SaveInput.apply(leaf)))
+
+        out, seen = [], {}
+        ctx = install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True) if pool else _nullcontext()
+        with ctx:
+            out += [_step(layer, s) for s in range(clean)]
+            handle = layer.experts.register_forward_pre_hook(save_input)
+            out.append(_step(layer, clean))
+            handle.remove()
+            if pool is not None:
+                ring = pool.get(DISPATCH)
+                index = ring.slot_of(kept[0][0])
+                generation = ring._slots[index].generation
+                seen["held after the call"] = ring.held
+            out += [_step(layer, clean + 1 + s) for s in range(later)]
+            if pool is not None:
+                slot = ring._slots[index]
+                seen["still held"] = slot.live is not None and slot.generation == generation
+                seen["held"] = ring.held
+            leaf, y = kept.pop()
+            y.backward(torch.ones_like(y))  # reads what the hook saved
+            del y
+            if pool is not None:
+                seen["held at the end"] = ring.held
+                seen["deferred"] = pool.stats()[DISPATCH].deferred_releases
+        return out, leaf.grad, seen
+
+    ref, ref_grad, _ = run(None)
+    got, grad, seen = run(BufferPool("cpu", debug=debug))
+    assert seen["held after the call"] == 1 and seen["still held"] and seen["held"] == 1, seen
+    assert seen["held at the end"] == 0 and seen["deferred"] >= 1, seen  # released once the saved tensor went
+    assert torch.equal(grad, ref_grad)  # the data the hook saved, not a later call's
+    assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()

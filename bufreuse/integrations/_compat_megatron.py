@@ -129,13 +129,13 @@ EXTRA: tuple[Assumption, ...] = (
         module=_EXPERTS,
         attr="SequentialMLP.forward",
         params=("self", "permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"),
-        used_by="dispatch_slot_readers: the slot reaches each local MLP (a region around their linear_fc1 only)",
+        used_by="all-to-all adapter, FC2 ring: experts.forward replaced by one with these parameters",
     ),
     Assumption(
         module="megatron.core.transformer.mlp",
         attr="MLP.forward",
         params=("self", "hidden_states"),
-        used_by="dispatch_slot_readers: MLP.forward gives its input to linear_fc1 only",
+        used_by="all-to-all adapter, FC2 ring: each local expert called as expert(tokens, probs)",
     ),
     Assumption(
         module=_TE_EXT,

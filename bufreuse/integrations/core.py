@@ -243,7 +243,7 @@ class ReleaseDisagreement:
         depth = "the planner's depth (bufreuse plan, num_slots='auto' start) is wrong for this config"
         if self.deferred >= self.expected_deferred:
             return f"Releases wait for every saved reference counted, but {depth}"
-        # production counts saved references only where megatron-core passes the slot (dispatch_slot_readers)
+        # production skips the stages that only pass a slot on and the experts after FC2; debug mode tracks them
         return (
             f"Fewer releases waited than predicted: either {depth}, or (in production mode) a stage saved a slot "
             "where production does not count (the release came early; debug mode, BUFREUSE_DEBUG=1, counts every "
@@ -458,9 +458,6 @@ class Installation:
     """Ring name -> the depth an ``auto`` ring was registered at (the planner's figure, or the default)."""
     unused: dict[str, str] = field(default_factory=dict)
     """Ring name -> why an enabled buffer is left alone (nothing to replace), logged once."""
-    entry_points: list[tuple[Any, str]] = field(default_factory=list)
-    """``(object, attribute)`` where a call enters the hooks: each callable override, and ``forward`` of each module
-    the TE route switched (what ``bench layer --added-time`` times in every arm alike)."""
     _mixed: set[str] = field(default_factory=set)
     _checked: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list)
@@ -517,8 +514,6 @@ class Installation:
         had = attr in vars(obj)
         old = vars(obj).get(attr)
         setattr(obj, attr, value)
-        if callable(value):
-            self.entry_points.append((obj, attr))
 
         def undo() -> None:
             if had:
@@ -666,7 +661,6 @@ class Installation:
                 self.warn_release_disagreements()
             if self.auto_start and not any(i.pool is self.pool for i in _ACTIVE if i is not self):
                 self.pool.settle()
-        self.entry_points.clear()
         while self._undo:
             self._undo.pop()()
         if self in _ACTIVE:

@@ -4,8 +4,7 @@ Per ``MoELayer`` instance it overrides:
 
 - ``token_dispatch``: the tokens all-to-all writes into a ``dispatch_output`` slot;
 - ``dispatch_postprocess``: releases the slot when the local-expert sort copied it;
-- ``routed_experts_compute``: otherwise releases it after the experts, its last forward reader (what they save
-  from it is counted around the modules that take it, :func:`dispatch_slot_readers`: their ``linear_fc1``);
+- ``routed_experts_compute``: otherwise releases it after the experts, its last forward reader;
 - ``experts.forward`` (``SequentialMLP``): FC2 outputs concatenated into an ``expert_fc2_output``
   slot (a ``TEGroupedMLP``'s FC2 output is the TE adapter's);
 - ``combine_preprocess`` / ``token_combine`` / ``combine_postprocess``: release the FC2 slot after
@@ -15,11 +14,9 @@ Every release is by fact: a hooked stage that receives a live slot runs inside `
 (a stage that receives a copy pays one pointer comparison and nothing else), and a release waits for
 the saved references those stages made to the slot (a bf16 expert GEMM's input with one local expert,
 ``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
-deterministic algorithms), so it lands after the backward that reads them. Where the experts read the
-dispatch slot, the region covers only the modules that take it as input, known from megatron-core's classes
-and checked on each layer's first calls against the whole experts stage (else the whole stage); nothing in
-the experts after FC2 saves FC2's output (megatron-core 0.19.2). Debug mode tracks the whole experts stage
-every call and raises if either ever changes.
+deterministic algorithms), so it lands after the backward that reads them; nothing is decided from
+the configuration. Nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2); debug
+mode tracks the whole experts forward and raises if that ever changes.
 
 At EP = 1 the upstream all-to-all returns its input, and at EP x ETP = 1 the FC2 output is made and read on
 one stream: there is nothing for those rings to replace, so ``install()`` leaves them unclaimed (no ring
@@ -31,8 +28,6 @@ Functions doing the writes live in :mod:`bufreuse.integrations.alltoall.function
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,15 +44,13 @@ from bufreuse.integrations.core import (
     CheckContext,
     Held,
     Installation,
-    ReleaseRuleWarning,
     Requirement,
     cfg_get,
+    reads_live,
     tracked,
 )
 
 __all__ = ["ADAPTER", "AllToAllAdapter"]
-
-_log = logging.getLogger("bufreuse.integrations")
 
 _ALLTOALL = frozenset({"alltoall"})
 
@@ -126,14 +119,6 @@ class _LayerState:
     fc2: deque[Held] = field(default_factory=deque)
     wgrad: deque[Any] | None = None
     """Holds on dispatch slots TE's wgrad store still reads, oldest first (delayed wgrad; else None)."""
-    narrow: bool = False
-    """Regions only around the slot's readers (:func:`dispatch_slot_readers`); else the whole experts stage."""
-    checks: int = 0
-    """Layer calls left whose whole experts stage is tracked and compared with the narrow regions (-1: every one)."""
-    counting: bool = False
-    """Inside such a call: the narrow regions add what they saved to ``known``."""
-    known: int = 0
-    """Saved references to the live dispatch slot the narrow regions made in the call being checked."""
 
 
 class AllToAllAdapter:
@@ -191,11 +176,6 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     state.wgrad = hook_delayed_wgrad(inst, layer)
     if getattr(disp, "shared_experts", None) is not None:
         raise ConfigError("dispatch-output reuse does not support moe_shared_expert_overlap; set it to False")
-    readers = dispatch_slot_readers(layer, inst)
-    state.narrow = readers is not None
-    reader_name = f"{type(readers[0]).__name__}.forward" if readers else ""  # for the report of a missed save
-    state.checks = (-1 if pool.debug else CHECKED_CALLS) if state.narrow else 0
-    run = pool.track_saved().run
     nccl = bool(getattr(disp, "use_nccl_stream", False))
     probs_kwargs = {"use_nccl_stream": nccl} if hasattr(disp, "use_nccl_stream") else {}
     box: list[Held] = []
@@ -209,74 +189,16 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
         global_probs = all_to_all(disp.ep_group, probs, disp.output_splits, disp.input_splits, **probs_kwargs)
         return out, global_probs
 
-    def counted(fn: Callable[..., Any], held: Held, args: tuple, kwargs: dict) -> Any:
-        """In a checked call: ``fn`` in a region, what it saved from ``held`` added to ``state.known``."""
-        before = pool.saved_references(DISPATCH, held.tensor)
-        out = run(fn, args, kwargs)
-        state.known += pool.saved_references(DISPATCH, held.tensor) - before
-        return out
-
     def dispatch_postprocess(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
+        result = orig_post(hidden, probs)
         held = state.dispatch
-        if held is None:
-            return orig_post(hidden, probs)
-        slot_in = held.read_by(hidden)  # False for an empty one (a rank that received no tokens)
-        # narrow: it hands the slot on (no gather, no sort copy: dispatch_slot_readers), so no region; a checked
-        # call runs inside the whole stage's, where anything it saved counts against the narrow regions
-        result = orig_post(hidden, probs) if state.narrow or not slot_in else run(orig_post, (hidden, probs), {})
-        if not held.read_by(result[0]):
+        if held is not None and not held.read_by(result[0]):
             state.dispatch = None
             held.release()  # the sort copied it: its last forward reader (waits for any saved reference)
-            if state.narrow and slot_in:  # it copied after all: only a checked call (whole, in a region) saw it all
-                state.narrow, state.checks = False, 0
-                unseen = "" if state.counting else " (this call's release did not count what it saved)"
-                _narrowing_ends(
-                    inst, layer, "dispatch_postprocess", f"copied the dispatch slot the experts were to read{unseen}"
-                )
         return result
 
-    def reader(fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A module that takes the slot (``linear_fc1``): in a region when it receives the live slot."""
-
-        @functools.wraps(fn)
-        def read(*args: Any, **kwargs: Any) -> Any:
-            held = state.dispatch
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            if held is None or not held.read_by(first):
-                return fn(*args, **kwargs)
-            if state.counting:
-                return counted(fn, held, args, kwargs)
-            return run(fn, args, kwargs)
-
-        return read
-
-    def checked_compute(held: Held, hidden: torch.Tensor, probs: torch.Tensor) -> tuple[Any, int]:
-        """The whole stage in a region, and how many references to ``held`` it saved beyond the narrow regions."""
-        before = pool.saved_references(DISPATCH, held.tensor)
-        state.known, state.counting = 0, True
-        try:
-            result = run(orig_compute, (hidden, probs), {})
-        finally:
-            state.counting = False
-        if state.dispatch is not held:  # the sort copied it: the experts never saw it, nothing to compare
-            return result, 0
-        extra = pool.saved_references(DISPATCH, held.tensor) - before - state.known
-        if extra > 0:
-            state.narrow, state.checks = False, 0  # this call was counted whole: its release stays exact
-        elif state.checks > 0:
-            state.checks -= 1
-        return result, extra
-
     def routed_experts_compute(hidden: torch.Tensor, probs: torch.Tensor) -> Any:
-        held, extra = state.dispatch, 0
-        if held is None or not held.read_by(hidden):
-            result = orig_compute(hidden, probs)
-        elif not state.narrow:
-            result = run(orig_compute, (hidden, probs), {})  # the whole stage in a region
-        elif state.checks and (pool.debug or torch.is_grad_enabled()):  # nothing is saved without grad
-            result, extra = checked_compute(held, hidden, probs)
-        else:
-            result = orig_compute(hidden, probs)  # the narrow regions inside count what is saved
+        result = orig_compute(hidden, probs)
         held, state.dispatch = state.dispatch, None
         hold = None
         if held is not None:
@@ -291,103 +213,12 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
             # one entry per forward that will have a backward_dw (TE stores one per backward), a hold or
             # None, so the FIFO stays aligned when a microbatch released early (a copy, or no tokens)
             state.wgrad.append(hold)
-        if extra > 0:  # after the release (exact): debug mode raises
-            what = f"saved the dispatch slot for backward outside {reader_name} ({extra} reference(s))"
-            _narrowing_ends(inst, layer, "routed experts", what)
         return result
 
+    reads = reads_live(lambda: state.dispatch)
     inst.override(disp, "token_dispatch", token_dispatch)
-    inst.override(disp, "dispatch_postprocess", functools.wraps(orig_post)(dispatch_postprocess))
-    for module in readers or ():
-        inst.override(module, "forward", reader(inst.original(module, "forward")))
-    inst.override(layer, "routed_experts_compute", functools.wraps(orig_compute)(routed_experts_compute))
-
-
-CHECKED_CALLS = 2
-"""Grad-enabled layer calls whose experts read the dispatch slot, per layer, that production runs with the whole
-experts stage in a region and compares with the narrow regions before trusting them (debug mode: every call)."""
-# Calls without grad save nothing, so they do not count; a save that depends on the data and does not happen in the
-# checked calls, or starts later (a hook added after them), is seen by debug mode only. Non-reentrant activation
-# checkpointing around the experts would see a checked forward and a narrow recompute: megatron-core's is reentrant.
-
-
-def _narrowing_ends(inst: Installation, layer: Any, stage: str, what: str) -> None:
-    """The narrow regions' premise failed on ``layer`` (``stage`` did ``what``): debug mode raises; production
-    warns, and the caller tracks the layer's whole experts stage from then on."""
-    if inst.pool.debug:
-        raise BackendContractError(
-            "megatron-core",
-            stage,
-            what,
-            hint="production mode checks each layer's first calls and tracks the whole experts stage of a layer where "
-            "this happens; report this with the megatron-core version",
-        )
-    number = getattr(layer, "layer_number", None)
-    name = type(layer).__name__ + (f" (layer {number})" if number is not None else "")
-    msg = (
-        f"bufreuse: {name}: {stage} {what}; tracking the whole experts stage of this layer from now on "
-        "(megatron-core's experts changed, or another tool wraps them; BUFREUSE_DEBUG=1 raises where it happens)"
-    )
-    _log.warning("%s", msg)
-    warnings.warn(msg, ReleaseRuleWarning, stacklevel=4)
-
-
-def dispatch_slot_readers(layer: Any, inst: Installation | None = None) -> tuple[Any, ...] | None:
-    """The modules inside ``layer.experts`` that receive the dispatch slot itself, or None (track the whole stage).
-
-    The experts receive the slot where ``dispatch_postprocess`` returns it (megatron-core 0.19.2): no
-    tensor-parallel gather, and one local expert, or the pad-mode sort at EP = 1 (a size-1 transpose);
-    elsewhere it copies, and the whole-stage wrapper costs one pointer test. Inside, only their first
-    linear takes it as input: ``TEGroupedMLP.forward`` (not fused) passes it, or TE's ``Fp8Padding`` copy
-    of it (which saves nothing), to ``linear_fc1``; ``SequentialMLP`` passes it, or a split view or
-    padding copy of it, to each local ``MLP``, whose ``forward`` gives it to ``linear_fc1`` only. So a
-    region around those calls counts everything saved from it, and the experts' other saved tensors
-    (activation, FC2, probabilities) skip the pack hook. None where something else may read or save it:
-    ``moe_apply_probs_on_input`` (``probs * hidden`` saves it), activation offloading and paged stashing
-    (their own hooks), the op-fuser grouped MLP (one fused op), a ``forward`` that is not megatron's own
-    (a subclass's, a class-level patch, an instance attribute something other than ``inst`` set). What
-    the code reading cannot see (a module hook, a changed megatron-core) is checked by fact: each layer's
-    first :data:`CHECKED_CALLS` grad-enabled calls in which the experts receive the slot track the whole
-    stage and compare; a save found elsewhere makes that layer track the whole stage from then on, with
-    a warning (debug mode: every call, and it raises). A save that starts after those calls, or depends
-    on data those calls did not have, is seen by debug mode only.
-    """
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
-
-    from bufreuse.integrations._compat_megatron import te_fused_impl
-
-    def stock(obj: Any, cls: type) -> bool:
-        """``obj.forward`` is ``cls``'s own, defined in megatron-core, and not shadowed by another tool."""
-        mine = inst is not None and any(o is obj and a == "forward" for o, a in inst.entry_points)
-        own = type(obj).forward is cls.forward and cls.forward.__module__ == cls.__module__
-        return own and ("forward" not in vars(obj) or mine)
-
-    experts, cfg, disp = getattr(layer, "experts", None), layer.config, layer.token_dispatcher
-    tp, ep = int(getattr(disp, "tp_size", 1) or 1), int(getattr(disp, "ep_size", 1) or 1)
-    local = int(getattr(disp, "num_local_experts", 1) or 1)
-    if tp != 1 or not (local == 1 or (ep == 1 and bool(getattr(disp, "drop_and_pad", False)))):
-        return None  # the gather or the sort copies the slot: the experts never see it
-    if (
-        getattr(cfg, "moe_apply_probs_on_input", False)
-        or getattr(cfg, "fine_grained_activation_offloading", False)
-        or getattr(cfg, "cpu_offloading", False)
-        or getattr(cfg, "moe_paged_stash", False)
-    ):
-        return None
-    if isinstance(experts, TEGroupedMLP):
-        if not stock(experts, TEGroupedMLP) or te_fused_impl(experts):
-            return None
-        fc1 = getattr(experts, "linear_fc1", None)
-        return None if fc1 is None else (fc1,)
-    if isinstance(experts, SequentialMLP):
-        mlps = list(getattr(experts, "local_experts", ()))
-        if not stock(experts, SequentialMLP) or not mlps:
-            return None
-        if not all(isinstance(m, MLP) and stock(m, MLP) and hasattr(m, "linear_fc1") for m in mlps):
-            return None
-        return tuple(m.linear_fc1 for m in mlps)
-    return None
+    inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
+    inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
 
 
 def _fc1_delays_wgrad(experts: Any) -> bool:
@@ -530,21 +361,17 @@ def _checked_passthrough(inst: Installation, name: str, stage: Callable[..., Any
     return tracked(pool, checked)
 
 
-def experts_tracking(
-    inst: Installation, fn: Callable[..., Any], fc2: deque[Held], *, whole: bool
-) -> Callable[..., Any]:
+def experts_tracking(inst: Installation, fn: Callable[..., Any], fc2: deque[Held]) -> Callable[..., Any]:
     """The experts' forward, tracked where it can save ring storage.
 
-    Production: ``whole`` (HybridEP, whose dispatch hook tracks nothing) tracks it when it receives
-    ring storage (the dispatch slot, read directly); otherwise (all-to-all) it is left as it is: the
-    dispatch hook tracks what reads the slot (:func:`dispatch_slot_readers`, or the whole experts
-    stage). Debug: always, and a saved reference to an FC2 slot acquired inside raises
-    :class:`BackendContractError`: production relies on nothing after FC2 saving its output
-    (megatron-core 0.19.2: neither ``Fp8Unpadding`` nor the bias add does).
+    Production: only when it receives ring storage (the dispatch slot, read directly: a bf16 GEMM or
+    ``probs * hidden`` saves it). Debug: always, and a saved reference to an FC2 slot acquired
+    inside raises :class:`BackendContractError`: production relies on nothing after FC2 saving its
+    output (megatron-core 0.19.2: neither ``Fp8Unpadding`` nor the bias add does).
     """
     pool = inst.pool
     if not pool.debug:
-        return tracked(pool, fn, pool.views_ring_storage) if whole else fn
+        return tracked(pool, fn, pool.views_ring_storage)
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -602,7 +429,7 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
         state.fc2.append(box.pop())
         return output, None
 
-    inst.override(experts, "forward", experts_tracking(inst, forward, state.fc2, whole=False))
+    inst.override(experts, "forward", experts_tracking(inst, forward, state.fc2))
     hook_fc2_release(inst, layer, state.fc2)
 
 

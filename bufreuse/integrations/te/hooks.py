@@ -155,9 +155,8 @@ def _alltoall_te_layer(layer: Any) -> bool:
     )
 
 
-def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue: deque[Held], *, whole: bool) -> Any:
-    """A ``TEGroupedMLP.forward`` that hands the op fuser a slot as ``output_buffer=``; ``whole``: see
-    :func:`~bufreuse.integrations.alltoall.hooks.experts_tracking`."""
+def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue: deque[Held]) -> Any:
+    """A ``TEGroupedMLP.forward`` that hands the op fuser a slot as ``output_buffer=``."""
     import torch
 
     from bufreuse.integrations.alltoall.hooks import experts_tracking
@@ -196,7 +195,7 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
         queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
         return output, bias
 
-    return experts_tracking(inst, forward, queue, whole=whole)
+    return experts_tracking(inst, forward, queue)
 
 
 def _cols(layer: Any) -> int:
@@ -214,7 +213,7 @@ def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
             held.popleft().release()  # combine's forward read it last, on the stream it ran on
         return out
 
-    inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held, whole=True))
+    inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
     inst.override(disp, "token_combine", tracked(pool, token_combine, pool.views_ring_storage))
 
 
@@ -222,9 +221,7 @@ def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
     from bufreuse.integrations.alltoall.hooks import hook_fc2_release
 
     queue: deque[Held] = deque()
-    inst.override(
-        layer.experts, "forward", _fused_forward_into_slot(inst, layer.experts, _cols(layer), queue, whole=False)
-    )
+    inst.override(layer.experts, "forward", _fused_forward_into_slot(inst, layer.experts, _cols(layer), queue))
     hook_fc2_release(inst, layer, queue)
 
 
@@ -233,8 +230,8 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
 
     Per layer call the forward pays one shim frame (acquire, TE's forward with ``out=``, the storage
     check) and the combine stages' release (:func:`~bufreuse.integrations.alltoall.hooks.hook_fc2_release`).
-    The experts' forward is wrapped only in debug mode (which checks nothing after FC2 saves its output; a
-    dispatch slot they read is tracked by the dispatch hook); an FC2 output the experts copy
+    The experts' forward is wrapped only where it can receive ring storage (this layer's dispatch ring)
+    or in debug mode (which checks nothing after FC2 saves its output); an FC2 output the experts copy
     (FP8 unpadding, a bias add) is released by the first hooked combine stage, whose output no longer views it.
     """
     from bufreuse.integrations.alltoall.hooks import experts_tracking, hook_fc2_release
@@ -245,8 +242,8 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     queue: deque[Held] = deque()
     te_forward = inst.original(out_route_class(type(fc2)), "forward")  # check() refused a class without one
     route_into_ring(inst, fc2, Fc2Route(pool, EXPERT, int(fc2.out_features), queue, te_forward))
-    if pool.debug:  # production: the dispatch hook tracks what reads a dispatch slot (dispatch_slot_readers)
-        inst.override(experts, "forward", experts_tracking(inst, inst.original(experts, "forward"), queue, whole=False))
+    if pool.debug or inst.hooks("alltoall", layer, "dispatch"):  # a dispatch slot can reach the experts
+        inst.override(experts, "forward", experts_tracking(inst, inst.original(experts, "forward"), queue))
     hook_fc2_release(inst, layer, queue)
 
 

@@ -201,7 +201,6 @@ def route_into_ring(installation: Any, module: Any, route: Fc2Route) -> None:
     routed = routing_class(cls)
     installation.override(module, ROUTE, route)
     module.__class__ = routed
-    installation.entry_points.append((module, "forward"))
 
     def restore() -> None:
         if type(module) is routed:
