@@ -33,6 +33,8 @@ __all__ = [
     "expert_tp",
     "identity_dispatch",
     "load_megatron_file",
+    "nccl_records_streams",
+    "pending_free_at_ep",
     "persistent_bytes",
     "single_rank_expert",
     "static_bounds",
@@ -73,6 +75,9 @@ class BufReuseConfig:
     """Validation aid: put the FC2 output of an all-to-all layer at EP x ETP = 1 (made and read on one stream,
     so normally left alone) into the expert ring anyway, to exercise and measure its hooks on one GPU; TE
     writes into the slot, so this adds no copy."""
+    moe_bufreuse_keep_unused_rings: bool = False
+    """Validation aid: keep the rings :func:`pending_free_at_ep` finds nothing pending-free for at EP x ETP > 1
+    (all-to-all on the compute stream, no record_stream) in use anyway, to measure what they cost there."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -176,6 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=False,
         help="Validation aid: ring the FC2 output at EP x ETP = 1 (one stream, normally left alone) to exercise "
         "its hooks.",
+    )
+    group.add_argument(
+        "--moe-bufreuse-keep-unused-rings",
+        action="store_true",
+        default=False,
+        help="Validation aid: keep the rings that replace nothing pending-free at EP x ETP > 1 (all-to-all on the "
+        "compute stream) in use, to measure what they cost.",
     )
     for buf in ("dispatch", "expert"):
         group.add_argument(
@@ -523,11 +535,106 @@ def expert_tp(cfg: Any) -> int:
     return int(_get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1)
 
 
-def unused_rings(cfg: Any, knobs: BufReuseConfig, path: str | None) -> dict[str, str]:
+def nccl_records_streams(torch_version: str | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ProcessGroupNCCL runs a collective on its own stream and records the tensors there (``recordStream``).
+
+    Before torch 2.8 it did, for every collective, unless ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (then it stashed
+    references until ``wait()``). From 2.8 (pytorch#150398) a synchronous collective runs on the current stream
+    and an asynchronous one stashes its tensors until ``wait()``: no ``recordStream`` at all, and the variable is
+    deprecated. ``torch_version`` None reads the installed distribution's metadata (no torch import); unknown
+    counts as the current behaviour.
+    """
+    env = os.environ if env is None else env
+    if torch_version is None:
+        from importlib import metadata
+
+        try:
+            torch_version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            return False
+    parts = []
+    for piece in torch_version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    major, minor = [*parts, 0, 0][:2]
+    if (major, minor) >= (2, 8):
+        return False
+    return str(env.get("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")).strip().lower() not in ("1", "true", "yes")
+
+
+def _local_experts(cfg: Any) -> int:
+    experts = int(_get(cfg, "num_moe_experts", 1) or 1)
+    return max(1, experts // max(1, int(_get(cfg, "expert_model_parallel_size", 1) or 1)))
+
+
+def pending_free_at_ep(cfg: Any, buffer: str, *, records_streams: bool | None = None) -> str | None:
+    """Why the control leaves nothing of ``buffer`` pending-free (all-to-all path, EP x ETP > 1); None if it does.
+
+    A buffer waits pending-free only when a stream other than the one it was allocated on is recorded on it
+    (``record_stream``) and that stream still has work queued when the buffer is freed (docs/megatron.md,
+    "Which buffers cross streams at EP >= 2"). On this path that happens in two ways:
+
+    - ``overlap_moe_expert_parallel_comm`` (combined 1F1B): the all-to-alls run on the comm stream, and
+      ``ScheduleNode.free_input`` records (``record_stream``) and empties the input of the ``mlp`` node (the dispatch
+      output; only where megatron frees it: FP8/FP4, or more than one local expert) and of the ``moe_combine``
+      node (the FC2 output only when ``combine_preprocess`` hands it on unchanged: one local expert, expert-TP 1,
+      no FP8 padding inside the experts; otherwise it reads a copy the ring does not hold);
+    - NCCL that records streams (``nccl_records_streams``: torch < 2.8 without ``TORCH_NCCL_AVOID_RECORD_STREAMS``):
+      the dispatch output and whatever the combine's collective reads (the FC2 output with one local expert and
+      no FP8 padding inside the experts).
+
+    Otherwise (torch >= 2.8, or gloo, whose side stream is idle by the time the buffer is freed because the host
+    waited for it) both collectives run in order with the compute stream and nothing waits: a ring only adds its
+    storage. ``records_streams`` None asks :func:`nccl_records_streams` (gloo never counts).
+    """
+    overlap = bool(_get(cfg, "overlap_moe_expert_parallel_comm", False))
+    backend = str(_get(cfg, "distributed_backend", "nccl") or "nccl").lower()
+    if records_streams is None:
+        records_streams = backend == "nccl" and nccl_records_streams()
+    elif backend != "nccl":
+        records_streams = False
+    local = _local_experts(cfg)
+    quantized = bool(_get(cfg, "fp8", None) or _get(cfg, "fp4", None))
+    if buffer == "dispatch":
+        if records_streams:
+            return None
+        if overlap and (quantized or local > 1):
+            return None
+        if overlap:
+            return ("EP overlap with one bf16 local expert: the mlp node keeps the dispatch output for its "
+                    "backward and frees it without record_stream, nothing waits pending-free")  # fmt: skip
+        return (f"EP {_get(cfg, 'expert_model_parallel_size', 1)}: the all-to-all runs in order with the "
+                f"compute stream ({_how(backend)}), the dispatch output is freed at once, nothing waits "
+                "pending-free")  # fmt: skip
+    handed_on = local == 1 and not pads_inside_experts(cfg)
+    if handed_on and (records_streams or (overlap and expert_tp(cfg) == 1)):
+        return None
+    if not handed_on:
+        return ("the combine's collective reads a copy of the FC2 output (the local-expert sort or FP8 unpadding "
+                "on the compute stream), so the FC2 output is freed at once, nothing waits pending-free")  # fmt: skip
+    if overlap:
+        return ("EP overlap with expert-TP > 1: the reduce-scatter on the compute stream reads the FC2 output and "
+                "the comm stream gets its result, nothing waits pending-free")  # fmt: skip
+    return (f"the combine all-to-all runs in order with the compute stream ({_how(backend)}), the FC2 output is "
+            "freed at once, nothing waits pending-free")  # fmt: skip
+
+
+def _how(backend: str) -> str:
+    if backend == "gloo":
+        return "gloo: the host waits for its side stream, which is idle when the buffer is freed"
+    return "NCCL from torch 2.8: synchronous collectives on the current stream, no record_stream"
+
+
+def unused_rings(
+    cfg: Any, knobs: BufReuseConfig, path: str | None, *, records_streams: bool | None = None
+) -> dict[str, str]:
     """``{buffer key: why}`` for the enabled buffers ``install()`` leaves alone because they replace nothing.
 
-    The one rule ``install()``, :func:`static_bounds` and the planner share; the validation knobs
-    (``moe_bufreuse_ring_identity_dispatch``, ``moe_bufreuse_ring_single_rank_expert``) keep a ring in use.
+    The one rule ``install()``, :func:`static_bounds` and the planner share: at EP = 1 the dispatch is an
+    identity, at EP x ETP = 1 the FC2 output never leaves one stream, and at EP x ETP > 1 on the all-to-all path
+    :func:`pending_free_at_ep` says where nothing waits pending-free. The validation knobs
+    (``moe_bufreuse_ring_identity_dispatch``, ``moe_bufreuse_ring_single_rank_expert``,
+    ``moe_bufreuse_keep_unused_rings``) keep a ring in use.
     """
     enabled = knobs.enabled()
     out = {}
@@ -535,6 +642,14 @@ def unused_rings(cfg: Any, knobs: BufReuseConfig, path: str | None) -> dict[str,
         out["dispatch"] = "EP = 1: the all-to-all dispatch returns its input, no allocation to replace"
     if "expert" in enabled and single_rank_expert(cfg, path) and not knobs.moe_bufreuse_ring_single_rank_expert:
         out["expert"] = "EP x ETP = 1: the FC2 output is made and read on one stream, nothing pending-free to replace"
+    if path == "alltoall" and not knobs.moe_bufreuse_keep_unused_rings:
+        ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
+        for buf in enabled:
+            if buf in out or (buf == "dispatch" and ep == 1) or (buf == "expert" and ep * expert_tp(cfg) == 1):
+                continue
+            why = pending_free_at_ep(cfg, buf, records_streams=records_streams)
+            if why is not None:
+                out[buf] = why
     return out
 
 

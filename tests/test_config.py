@@ -213,8 +213,13 @@ def test_static_bound_pad_to_capacity_and_dropless_worst_case() -> None:
     dropless = static_bounds(_alltoall_cfg(), production, path="alltoall", tokens=1000)["dispatch"]
     # EP = 1: the all-to-all returns its input, so no dispatch ring is registered (its bound is still reported)
     assert dropless.rows == 1 * 1000 * 2 and dropless.persistent_bytes == 0 and "EP = 1" in dropless.source
-    ep2 = static_bounds(_set(_alltoall_cfg(), expert_model_parallel_size=2), BOTH_ON, path="alltoall", tokens=1000)
+    # EP = 2 under EP overlap: the dispatch output crosses to the compute stream and waits pending-free there
+    overlap = _set(_alltoall_cfg(), expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True)
+    ep2 = static_bounds(overlap, BOTH_ON, path="alltoall", tokens=1000)
     assert ep2["dispatch"].persistent_bytes == 4 * ep2["dispatch"].rows * 64 * 2 > 0
+    # without it the all-to-all runs on the compute stream (torch >= 2.8): no ring, the bound still reported
+    plain = static_bounds(_set(_alltoall_cfg(), expert_model_parallel_size=2), BOTH_ON, path="alltoall", tokens=1000)
+    assert plain["dispatch"].persistent_bytes == 0 and plain["dispatch"].rows == ep2["dispatch"].rows
 
 
 def test_persistent_bytes_is_the_sum_of_the_ring_bounds() -> None:

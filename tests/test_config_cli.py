@@ -15,19 +15,32 @@ runner = CliRunner()
 
 
 def test_check_config_args_file_can_be_enabled() -> None:
-    result = runner.invoke(app, ["check-config", str(DATA / "alltoall-ring.args")])
+    result = runner.invoke(app, ["check-config", str(DATA / "alltoall-ring-overlap.args")])
     assert result.exit_code == 0, result.output
     assert "can be enabled" in result.output and "128.0 MiB persistent" in result.output
 
 
-def test_check_config_json_lists_rings_and_requirements() -> None:
+def test_check_config_says_rings_replace_nothing_at_ep2_without_overlap() -> None:
+    # The same layer without EP overlap: both all-to-alls run in order with the compute stream (torch >= 2.8),
+    # nothing waits pending-free, so neither ring is used and no memory is reserved for them.
     result = runner.invoke(app, ["check-config", "--json", str(DATA / "alltoall-ring.args")])
+    data = json.loads(result.output)
+    assert data["ok"] and data["persistent_bytes_total"] == 0
+    assert data["rings"]["dispatch"]["rows"] == 2 * 4096 * 2  # the bound is still reported
+    assert all("nothing waits pending-free" in r["bound_source"] for r in data["rings"].values())
+
+
+def test_check_config_json_lists_rings_and_requirements() -> None:
+    result = runner.invoke(app, ["check-config", "--json", str(DATA / "alltoall-ring-overlap.args")])
     data = json.loads(result.output)
     assert data["ok"] and data["path"] == "alltoall"
     # slots x rows x hidden x bytes: 2 x (EP 2 x 4096 tokens x min(topk 2, 4 local)) x 2048 x 2
     assert data["rings"]["dispatch"]["persistent_bytes"] == 2 * 16384 * 2048 * 2
-    assert data["persistent_bytes_total"] == 2 * data["rings"]["dispatch"]["persistent_bytes"]
-    assert {r["key"] for r in data["requirements"]} >= {"dispatcher", "unfused_permute", "expert_output_writer"}
+    # four local experts: the combine reads the sorted copy, the FC2 ring replaces nothing
+    assert data["rings"]["expert"]["persistent_bytes"] == 0
+    assert data["persistent_bytes_total"] == data["rings"]["dispatch"]["persistent_bytes"]
+    assert {r["key"] for r in data["requirements"]} >= {"dispatcher", "unfused_permute"}
+    assert "expert_output_writer" not in {r["key"] for r in data["requirements"]}  # an unused ring requires nothing
 
 
 def test_check_config_hybridep_needs_backend_apis_here() -> None:
@@ -52,8 +65,8 @@ def test_check_config_nothing_enabled_and_assume_enabled(tmp_path: Path) -> None
     p = tmp_path / "base.yaml"
     p.write_text(
         "moe_token_dispatcher_type: alltoall\nhidden_size: 64\nnum_moe_experts: 8\nbf16: true\n"
-        "expert_model_parallel_size: 2\n"
-    )  # fmt: skip  (at EP x ETP = 1 no ring would be used)
+        "expert_model_parallel_size: 8\noverlap_moe_expert_parallel_comm: true\n"
+    )  # fmt: skip  (at EP x ETP = 1, or without EP overlap, no ring would be used)
     off = runner.invoke(app, ["check-config", "--json", str(p)])
     assert off.exit_code == 1 and "no buffer is enabled" in json.loads(off.output)["error"]
     on = runner.invoke(app, ["check-config", "--json", "--assume-enabled", "--seq-length", "128",
@@ -76,8 +89,11 @@ def test_check_config_requires_nothing_of_rings_that_would_be_unused(tmp_path: P
     data = json.loads(unused.output)
     assert {b: r["slots"] for b, r in data["rings"].items()} == {"dispatch": 0, "expert": 0}
     assert all(r["ok"] for r in data["requirements"]) and data["requirements"]  # the dispatcher row stays
-    # positive control: at EP = 2 both rings are used and the same field is unmet for them
+    # at EP = 2 without EP overlap nothing waits pending-free either: still nothing asked
     p.write_text(base + "expert_model_parallel_size: 2\n")
+    assert runner.invoke(app, args).exit_code == 0
+    # positive control: EP 8 (one local expert) under EP overlap uses both rings, and the field is unmet for them
+    p.write_text(base + "expert_model_parallel_size: 8\noverlap_moe_expert_parallel_comm: true\n")
     used = runner.invoke(app, args)
     assert used.exit_code == 1, used.output
     unmet = [r for r in json.loads(used.output)["requirements"] if not r["ok"]]

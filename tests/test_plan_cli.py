@@ -246,8 +246,11 @@ def test_plan_marks_the_ep1_dispatch_ring_unused_as_install_does():
     bounds = static_bounds(fields, BufReuseConfig.from_mapping(fields), path="alltoall", tokens=128)
     assert bounds["dispatch"].slots == 0
     assert dispatch.unused and dispatch.persistent_bytes == 0 and dispatch.pending_bytes == 0
-    # Positive controls: at EP = 2 the ring exists; at EP = 1 the validation knob asks for it too.
-    for extra in ({"expert_model_parallel_size": 2}, {"moe_bufreuse_ring_identity_dispatch": True}):
+    # Positive controls: at EP = 2 under EP overlap the ring exists (the dispatch output crosses streams), and
+    # the validation knobs ask for it at EP = 1 and at EP = 2 without overlap (nothing pending-free there).
+    for extra in ({"expert_model_parallel_size": 2, "overlap_moe_expert_parallel_comm": True},
+                  {"moe_bufreuse_ring_identity_dispatch": True},
+                  {"expert_model_parallel_size": 2, "moe_bufreuse_keep_unused_rings": True}):  # fmt: skip
         real = next(b for b in plan_config({**fields, **extra}).buffers if b.buffer == "dispatch")
         assert real.unused is None and real.persistent_bytes == real.minimum * real.slot_bytes > 0
 
@@ -265,8 +268,10 @@ def test_plan_marks_the_single_rank_expert_ring_unused_as_install_does():
     bounds = static_bounds(fields, BufReuseConfig.from_mapping(fields), path="alltoall", tokens=128)
     assert bounds["expert"].slots == 0
     assert expert.unused and "one stream" in expert.unused and expert.persistent_bytes == 0 and expert.cycle is None
-    # Positive controls: EP 2, expert TP 2, and the validation knob each give a real ring.
-    for extra in ({"expert_model_parallel_size": 2}, {"expert_tensor_parallel_size": 2},
+    # Positive controls: EP 8 under EP overlap (one local expert: the combine reads the FC2 output on the comm
+    # stream), expert TP 2 with the keep knob, and the validation knob each give a real ring.
+    for extra in ({"expert_model_parallel_size": 8, "overlap_moe_expert_parallel_comm": True},
+                  {"expert_tensor_parallel_size": 2, "moe_bufreuse_keep_unused_rings": True},
                   {"moe_bufreuse_ring_single_rank_expert": True}):  # fmt: skip
         real = next(b for b in plan_config({**fields, **extra}).buffers if b.buffer == "expert")
         assert real.unused is None and real.persistent_bytes == real.minimum * real.slot_bytes > 0, extra
@@ -282,6 +287,7 @@ def test_an_unused_dispatch_ring_is_never_too_small():
     }  # fmt: skip
     dispatch = next(b for b in plan_config(fields).buffers if b.buffer == "dispatch")
     assert dispatch.unused and dispatch.minimum > 1 and dispatch.ok and dispatch.cycle is None
-    # Positive control: the same schedule at EP = 2 is a real ring, too small at 1 slot.
-    real = next(b for b in plan_config({**fields, "expert_model_parallel_size": 2}).buffers if b.buffer == "dispatch")
+    # Positive control: the same schedule at EP = 2 with the keep knob is a real ring, too small at 1 slot.
+    kept = {**fields, "expert_model_parallel_size": 2, "moe_bufreuse_keep_unused_rings": True}
+    real = next(b for b in plan_config(kept).buffers if b.buffer == "dispatch")
     assert real.unused is None and not real.ok and real.minimum > 1

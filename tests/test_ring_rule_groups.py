@@ -42,10 +42,14 @@ def _step(layer) -> torch.Tensor:
 
 
 def _knobs() -> BufReuseConfig:
+    # These tests are about which group sizes decide (the dispatcher's or the config's): the keep knob takes the
+    # stream rule out (at EP x ETP > 1 without EP overlap nothing waits pending-free, config.pending_free_at_ep),
+    # so EP / expert TP alone decide, as the EP = 1 and EP x ETP = 1 rules still do under it.
     return BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers=True,
         moe_hybridep_num_dispatch_output_buffers=2,
         moe_hybridep_num_expert_output_buffers=2,
+        moe_bufreuse_keep_unused_rings=True,
     )
 
 

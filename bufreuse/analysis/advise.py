@@ -177,6 +177,19 @@ def _join(
             if not r["ok"] and (not wanted or r["buffer"] in wanted)
         ]
     unused = _unused(fields, wanted) if fields is not None else {}
+    if unused and fields is not None:
+        # The trace measured MoE pending-free where the EP >= 2 stream rule expects none (a torch before 2.8 whose
+        # NCCL records streams, say): the measurement wins; plan as with --moe-bufreuse-keep-unused-rings.
+        structural = _unused(fields, wanted, keep=True)
+        contradicted = {b: why for b, why in unused.items() if b in wanted and b not in structural}
+        if contradicted:
+            for b, why in contradicted.items():
+                adv.warnings.append(
+                    f"{BUFFERS[b]} waits pending-free in this trace, but install() would leave its ring unused "
+                    f"({why}): was the run on another torch or backend? planned with --moe-bufreuse-keep-unused-rings"
+                )
+            fields = {**fields, "moe_bufreuse_keep_unused_rings": True}
+            unused = structural
     if not moe and unread:
         adv.verdict = f"cannot tell: {unread}, so whether MoE buffers wait in the pending-free queue is unknown"
         return adv
@@ -202,6 +215,8 @@ def _join(
     elif not adv.depth:
         adv.depth_notes.append("no trace: what-if needs one (record with torch.cuda.memory._record_memory_history())")
     adv.flags = ring_flags(adv.depth)
+    if adv.flags and fields is not None and fields.get("moe_bufreuse_keep_unused_rings"):
+        adv.flags.append("--moe-bufreuse-keep-unused-rings")
     _verdict(adv)
     return adv
 
@@ -224,6 +239,8 @@ def _planner_depth(adv: Advice, fields: Mapping[str, Any], wanted: list[str], nu
             adv.depth_notes.append(f"planner: {b.ring} cannot be a ring ({b.rule.reason})")
             continue
         adv.depth[b.buffer] = b.minimum
+    if plan.storage_line():
+        adv.depth_notes.append(f"planner: {plan.storage_line()}")
     if adv.depth:
         s = plan.spec
         adv.depth_source = "planner"
@@ -322,10 +339,15 @@ def _frameless_text(groups: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def _unused(fields: Mapping[str, Any], wanted: list[str]) -> dict[str, str]:
-    """``{buffer key: why}`` for the wanted buffers the config leaves unused, with their rings assumed on."""
+def _unused(fields: Mapping[str, Any], wanted: list[str], *, keep: bool = False) -> dict[str, str]:
+    """``{buffer key: why}`` for the wanted buffers the config leaves unused, with their rings assumed on.
+
+    ``keep`` takes out the EP >= 2 stream rule (``moe_bufreuse_keep_unused_rings``): what remains are the EP = 1
+    and EP x ETP = 1 reasons, where there is no allocation or no second stream at all.
+    """
     knobs = BufReuseConfig(
         moe_hybridep_reuse_dispatch_output_buffers="dispatch" in wanted,
         moe_hybridep_num_expert_output_buffers=1 if "expert" in wanted else 0,
+        moe_bufreuse_keep_unused_rings=keep,
     )
     return unused_rings(fields, knobs, dispatch_path(fields))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from bufreuse.cli._common import console, handle_errors, json_option, warn_unknown_flags
 from bufreuse.errors import CheckFailedError, InputError
@@ -149,6 +150,8 @@ def _render(file: Path, data: dict) -> None:
                 f"  [red]too small at {b['configured']} slot(s):[/] the pool raises EarlyReuseError on the host "
                 "(no GPU-side cycle: a ring that waited on the GPU would stall, not hang)"
             )
+    if data.get("ring_storage"):
+        console.print(escape(data["ring_storage"]))
     if not any(b["slot_bytes"] for b in data["buffers"]):
         console.print("[dim]memory columns need the tokens per microbatch (--seq-length, --micro-batch-size)[/]")
     console.print(

@@ -129,11 +129,40 @@ class PlanReport:
     tokens: int | None = None
     path: str | None = None
     lag_steps: int = 2
+    bound_sources: dict[str, str] = field(default_factory=dict)
+    """Where each buffer's slot bound comes from (``BufferBound.source``: dropless worst case, capacity, ...)."""
     assumptions: tuple[str, ...] = ASSUMPTIONS
 
     @property
     def ok(self) -> bool:
         return all(b.ok for b in self.buffers)
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes the rank's used rings hold at the planned minimum (unused rings hold none)."""
+        return sum(b.persistent_bytes for b in self.buffers)
+
+    def storage_line(self) -> str | None:
+        """``ring storage per rank: X MiB (...)``, naming each used ring's slots x slot size and its bound.
+
+        None when the slot size is unknown (no tokens per microbatch). A bound sized for the dropless worst case
+        (every token of every EP rank routed here) is named as such: that is what the slots cost, not the
+        tokens a rank really receives.
+        """
+        used = [b for b in self.buffers if not b.unused and b.minimum is not None]
+        if any(not b.slot_bytes for b in used) or (not used and not self.buffers):
+            return None
+        if not used:
+            return (
+                "ring storage per rank: 0 MiB (no ring is used: "
+                + "; ".join(f"{b.ring}: {b.unused}" for b in self.buffers if b.unused)
+                + ")"
+            )
+        parts = [
+            f"{b.ring} {b.minimum} x {b.slot_bytes / 2**20:.1f} MiB ({self.bound_sources.get(b.buffer, 'bound')})"
+            for b in used
+        ]
+        return f"ring storage per rank: {self.storage_bytes / 2**20:.1f} MiB (" + "; ".join(parts) + ")"
 
     def to_dict(self) -> dict[str, Any]:
         s = self.spec
@@ -153,6 +182,8 @@ class PlanReport:
             "path": self.path,
             "lag_steps": self.lag_steps,
             "buffers": [b.to_dict() for b in self.buffers],
+            "ring_storage_bytes": self.storage_bytes,
+            "ring_storage": self.storage_line(),
             "assumptions": list(self.assumptions),
         }
 
@@ -367,7 +398,15 @@ def plan_config(
             plan.unused = unused[plan.buffer]
             plan.pending_count = 0
             plan.cycle = None
-    return PlanReport(spec=spec, layers_per_chunk=layers, buffers=plans, tokens=tokens, path=path, lag_steps=lag_steps)
+    return PlanReport(
+        spec=spec,
+        layers_per_chunk=layers,
+        buffers=plans,
+        tokens=tokens,
+        path=path,
+        lag_steps=lag_steps,
+        bound_sources={b: bd.source.split("; not used")[0] for b, bd in bounds.items()},
+    )
 
 
 def initial_slots(fields: Mapping[str, Any], buffer: str, *, num_microbatches: int, pp_rank: int = 0) -> int | None:

@@ -1,0 +1,108 @@
+"""The EP >= 2 stream rule (``config.pending_free_at_ep``, through ``unused_rings``) and the plan's storage line.
+
+Expected rows are written out by hand from docs/megatron.md's table "Which buffers cross streams at EP >= 2":
+which buffer a second stream is recorded on, per configuration, not recomputed from the rule's own code.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bufreuse.config import BufReuseConfig, nccl_records_streams, static_bounds, unused_rings
+from bufreuse.plan import plan_config
+
+BOTH = BufReuseConfig(moe_hybridep_reuse_dispatch_output_buffers=True, moe_hybridep_num_expert_output_buffers=2)
+BASE = {"moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2, "bf16": True}
+
+# (fields over BASE, records_streams, the rings used): "used" = a second stream is recorded on the buffer and
+# the buffer is what the ring holds.
+ROWS = [
+    # torch >= 2.8 NCCL, no overlap: both collectives run in order on the compute stream
+    ({"expert_model_parallel_size": 2}, False, set()),
+    ({"expert_model_parallel_size": 8}, False, set()),  # one local expert: still one stream
+    ({"expert_model_parallel_size": 2, "distributed_backend": "gloo"}, True, set()),  # gloo never counts
+    # torch < 2.8 NCCL: the dispatch output is recorded on NCCL's stream; the FC2 output only when the combine's
+    # all-to-all reads it itself (one local expert), not the local-expert sort's copy
+    ({"expert_model_parallel_size": 2}, True, {"dispatch"}),
+    ({"expert_model_parallel_size": 8}, True, {"dispatch", "expert"}),
+    # EP overlap: the mlp node frees the dispatch output by record_stream + resize_(0) with > 1 local expert or FP8
+    ({"expert_model_parallel_size": 2, "overlap_moe_expert_parallel_comm": True}, False, {"dispatch"}),
+    ({"expert_model_parallel_size": 4, "overlap_moe_expert_parallel_comm": True}, False, {"dispatch"}),  # 2 local
+    ({"expert_model_parallel_size": 8, "overlap_moe_expert_parallel_comm": True}, False, {"expert"}),
+    ({"expert_model_parallel_size": 8, "overlap_moe_expert_parallel_comm": True, "fp8": "hybrid"}, False,
+     {"dispatch", "expert"}),
+    # ... the combine node's input is the FC2 output only at expert TP 1 (else the reduce-scatter's result)
+    ({"expert_model_parallel_size": 8, "expert_tensor_parallel_size": 2, "overlap_moe_expert_parallel_comm": True},
+     False, set()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "records", "used"), ROWS)
+def test_rings_used_where_a_second_stream_is_recorded_on_their_buffer(extra, records, used) -> None:
+    cfg = {**BASE, **extra}
+    unused = unused_rings(cfg, BOTH, "alltoall", records_streams=records)
+    assert {"dispatch", "expert"} - set(unused) == used, unused
+    for why in unused.values():
+        assert "nothing waits pending-free" in why
+    # the keep knob (a validation aid) puts every one of them back
+    keep = BufReuseConfig(**{**_fields(BOTH), "moe_bufreuse_keep_unused_rings": True})
+    assert unused_rings(cfg, keep, "alltoall", records_streams=records) == {}
+
+
+def test_the_keep_knob_leaves_the_ep1_reasons_alone() -> None:
+    keep = BufReuseConfig(**{**_fields(BOTH), "moe_bufreuse_keep_unused_rings": True})
+    assert set(unused_rings({**BASE, "expert_model_parallel_size": 1}, keep, "alltoall")) == {"dispatch", "expert"}
+
+
+def test_hybridep_is_not_judged_by_the_all_to_all_rule() -> None:
+    cfg = {**BASE, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "flex",
+           "moe_flex_dispatcher_backend": "hybridep"}  # fmt: skip
+    assert unused_rings(cfg, BOTH, "hybridep") == {}
+
+
+@pytest.mark.parametrize(
+    ("version", "env", "records"),
+    [("2.7.1+cu126", {}, True), ("2.7.1", {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}, False),
+     ("2.8.0", {}, False), ("2.13.0+cpu", {}, False), ("2.4.0", {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}, True),
+     ("2.10.0a0+git", {}, False)],
+)  # fmt: skip
+def test_nccl_records_streams_before_torch_2_8(version, env, records) -> None:
+    assert nccl_records_streams(version, env) is records
+
+
+def test_the_unused_bound_still_reports_rows_and_keeps_no_slot() -> None:
+    cfg = {**BASE, "expert_model_parallel_size": 2, "hidden_size": 64}
+    bound = static_bounds(cfg, BOTH, path="alltoall", tokens=100)["dispatch"]
+    assert bound.rows == 2 * 100 * 2 and bound.slots == 0 and bound.persistent_bytes == 0  # EP x tokens x topk
+    assert "dropless worst case" in bound.source and "not used" in bound.source
+
+
+def test_plan_names_ring_storage_per_rank_and_the_dropless_worst_case() -> None:
+    # FP8, one local expert, EP overlap: both rings used (the table's rows)
+    fields = {**BASE, "expert_model_parallel_size": 8, "overlap_moe_expert_parallel_comm": True, "num_layers": 2,
+              "fp8": "hybrid",
+              "hidden_size": 1024, "seq_length": 2048, "micro_batch_size": 1, "num_microbatches": 4,
+              "moe_hybridep_reuse_dispatch_output_buffers": True, "moe_hybridep_num_expert_output_buffers": 4,
+              "moe_hybridep_num_dispatch_output_buffers": 4}  # fmt: skip
+    report = plan_config(fields)
+    # one slot: EP 8 x 2048 tokens x min(topk 2, 1 local expert) rows x 1024 x 2 bytes = 32 MiB
+    slot = 8 * 2048 * 1 * 1024 * 2
+    by = {b.buffer: b for b in report.buffers}
+    assert by["dispatch"].slot_bytes == by["expert"].slot_bytes == slot
+    total = (by["dispatch"].minimum + by["expert"].minimum) * slot
+    line = report.storage_line()
+    assert line.startswith(f"ring storage per rank: {total / 2**20:.1f} MiB (")
+    assert line.count("dropless worst case: EP 8 x 2048 tokens x min(topk 2, 1 local experts)") == 2
+    assert report.to_dict()["ring_storage_bytes"] == total
+    # capacity-bounded: the line names the capacity, not the worst case
+    padded = plan_config({**fields, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True})
+    assert "pad to capacity" in padded.storage_line() and "dropless" not in padded.storage_line()
+    # nothing used: 0 MiB, and why
+    plain = plan_config({k: v for k, v in fields.items() if k != "overlap_moe_expert_parallel_comm"})
+    assert plain.storage_line().startswith("ring storage per rank: 0 MiB (no ring is used: ")
+
+
+def _fields(knobs: BufReuseConfig) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs)}
