@@ -172,3 +172,42 @@ def test_replay_fuzz_inconsistent_traces_never_crash(segs, traces) -> None:
     rep, _ = analyze(normalise({"segments": segs, "device_traces": traces}), ReportConfig(timeline_points=8))
     json.dumps(rep, allow_nan=False)
     assert rep["pending_free_at_max_active_bytes"] >= 0 or rep["warnings"]
+
+
+def _impossible() -> dict:
+    """A trace that allocates 200 MiB with no segment entry, against a final state of one 100 MiB segment
+    (segment entries skipped, or the snapshot of another device): replayed, active tops reserved."""
+    a = 1 << 32
+    trace = [entry("alloc", a, 200 * MiB), entry("free_requested", a, 200 * MiB), entry("free_completed", a, 200 * MiB)]
+    segs = [segment(1 << 30, 100 * MiB, [block(1 << 30, 100 * MiB, "inactive")])]
+    return {"segments": segs, "device_traces": [trace]}
+
+
+def test_the_headline_never_shows_max_active_above_max_reserved(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from bufreuse.cli import app
+
+    raw = _impossible()
+    rp = replay(normalise(raw).traces[0], normalise(raw).final[0])
+    assert rp.max_active == 200 * MiB  # the allocations are what the trace shows; reserved must hold them
+    assert rp.max_reserved == 200 * MiB and rp.max_reserved_index == rp.max_active_index
+    assert rp.max_reserved_in_segments == 100 * MiB
+    assert any("max reserved is shown as max active" in w and "100.0 MiB" in w for w in rp.warnings), rp.warnings
+    report, _ = analyze(normalise(raw), ReportConfig())
+    assert report["max_active_bytes"] <= report["max_reserved_bytes"] == 200 * MiB
+    assert report["max_reserved_in_segments_bytes"] == 100 * MiB
+    import pickle
+
+    p = tmp_path / "impossible.pickle"
+    p.write_bytes(pickle.dumps(raw))
+    out = CliRunner().invoke(app, ["snapshot-report", str(p)], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("max reserved"))
+    assert "200 MiB" in line and "at least" in line, line
+    # positive control: a consistent trace (the segment allocated and freed in it) keeps its own figures
+    raw["device_traces"][0][:0] = [entry("segment_alloc", 1 << 32, 200 * MiB)]
+    raw["device_traces"][0].append(entry("segment_free", 1 << 32, 200 * MiB))
+    ok = replay(normalise(raw).traces[0], normalise(raw).final[0])
+    assert ok.max_reserved == 300 * MiB and ok.max_reserved_in_segments == ok.max_reserved
+    assert not any("shown as max active" in w for w in ok.warnings)

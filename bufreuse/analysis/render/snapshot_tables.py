@@ -38,6 +38,16 @@ def _when(report: dict[str, Any], key: str) -> str:
     return "before the first event" if idx < 0 else f"event {idx:,}"
 
 
+def _lifted(report: dict[str, Any]) -> str:
+    """A note when max reserved is shown as max active (the trace's segment entries gave less: a warning says)."""
+    segments = report.get("max_reserved_in_segments_bytes")
+    return (
+        "; at least (max active: see warnings)"
+        if segments is not None and segments < report["max_reserved_bytes"]
+        else ""
+    )
+
+
 def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
     """Summary figures, the pending-free groups at the max-active point, per-stream totals, warnings."""
     title = f"{rich_text(report['file'])} (device {report['device']})"
@@ -48,7 +58,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
     s.add_column("value", justify="right")
     s.add_column("note", style="dim")
     rows = [
-        ("max reserved", report["max_reserved_bytes"], _when(report, "max_reserved")),
+        ("max reserved", report["max_reserved_bytes"], _when(report, "max_reserved") + _lifted(report)),
         ("reserved at trace start", report["reserved_at_trace_start_bytes"], "memory from before recording"),
         ("max active", report["max_active_bytes"], _when(report, "max_active")),
         ("  allocated there", report["allocated_at_max_active_bytes"], ""),

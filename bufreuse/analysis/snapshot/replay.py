@@ -59,6 +59,9 @@ class Replay:
     max_active_known: int = 0
     """Max of active less the pending-before-trace bytes, and its index: where the peak is without them."""
     max_active_known_index: int = -1
+    max_reserved_in_segments: int = 0
+    """Max of the reserved series as the segment entries give it; ``max_reserved`` is this, or max active when
+    the trace and final state disagree so that active tops it (reserved can never hold less than active)."""
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -144,6 +147,14 @@ def replay(t: EventTable, final: FinalState) -> Replay:
     else:
         max_r, ir, max_a, ia = final.reserved, -1, final.allocated_requested + final.pending_requested, -1
         max_k, ik = final.allocated_requested, -1
+    max_r_segments = max_r
+    if max_a > max_r:  # impossible: an allocation lives in reserved memory; the allocations are the direct count
+        warnings.append(
+            f"the trace and final state disagree: replayed max active ({_mib(max_a)}) tops the max reserved the "
+            f"segment entries give ({_mib(max_r)}); max reserved is shown as max active, a lower bound "
+            "(segment entries skipped with skip_actions, or a final state from another device?)"
+        )
+        max_r, ir = max_a, ia
     orphan_dones = len(orphan_done)
     if orphan_frees:
         warnings.append(
@@ -174,6 +185,7 @@ def replay(t: EventTable, final: FinalState) -> Replay:
         pending_before_trace=before,
         max_active_known=max_k,
         max_active_known_index=ik,
+        max_reserved_in_segments=max_r_segments,
         warnings=warnings,
     )
 
