@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bufreuse.analysis.render.compare_tables import comparison_text
-from bufreuse.analysis.render.export import csv_text, png_bytes, renderable_text
+from bufreuse.analysis.render.export import csv_text, json_ready, png_bytes, renderable_text
 from bufreuse.analysis.render.plots import comparison_figures, sweep_figures, timeline_figure
 from bufreuse.analysis.render.snapshot_tables import file_renderable, snapshots_table
 from bufreuse.analysis.render.sweep_tables import sweep_table
@@ -111,12 +111,14 @@ def run_demo(
     result.files.append(
         atomic_write_json(
             out / "summary.json",
-            {
-                "examples": str(examples),
-                "sweeps": result.sweeps,
-                "summary": result.summary,
-                "files": [str(p) for p in result.files],
-            },
+            json_ready(
+                {
+                    "examples": str(examples),
+                    "sweeps": result.sweeps,
+                    "summary": result.summary,
+                    "files": [str(p) for p in result.files],
+                }
+            ),
         )
     )
     return result
@@ -167,7 +169,7 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
             title = f"{name} (device {report['device']}): max reserved {_mib(report['max_reserved_bytes'])} MiB"
             files.append(atomic_write_bytes(png, png_bytes(timeline_figure(res.timeline, title=title))))
     text = renderable_text(snapshots_table(reports)) + "".join(renderable_text(r) for r in renderables)
-    files.insert(0, atomic_write_json(out / "snapshots.json", reports))
+    files.insert(0, atomic_write_json(out / "snapshots.json", json_ready(reports)))
     files.insert(1, atomic_write_text(out / "snapshots.txt", text))
     return reports, files
 
@@ -185,7 +187,7 @@ def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str],
     dicts = [r.to_dict() for r in rows]
     files = [
         atomic_write_text(folder / "sweep-table.txt", renderable_text(sweep_table(rows, title=f"sweep {name}"))),
-        atomic_write_json(folder / "sweep-table.json", dicts),
+        atomic_write_json(folder / "sweep-table.json", json_ready(dicts)),
         atomic_write_text(folder / "sweep-table.csv", csv_text(dicts)),
         *(atomic_write_bytes(folder / file, png_bytes(fig)) for file, fig in sweep_figures(rows, run=run).items()),
     ]
@@ -214,7 +216,7 @@ def _compare_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str
         return []
     files = [
         atomic_write_text(folder / "compare.csv", csv_text(result.to_rows())),
-        atomic_write_json(folder / "compare.json", result.to_dict()),
+        atomic_write_json(folder / "compare.json", json_ready(result.to_dict())),
         atomic_write_text(folder / "compare.txt", comparison_text(result)),
         *(
             atomic_write_bytes(folder / file, png_bytes(fig))

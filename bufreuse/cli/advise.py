@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -39,7 +38,8 @@ def advise(
         check = check_file(file, assume_enabled=True).to_dict()
     result = run(snapshot, fields=fields, check=check, num_microbatches=num_microbatches)
     if json_out:
-        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+        from bufreuse.analysis.render.export import json_text
+        typer.echo(json_text(result.to_json()))
     else:
         from bufreuse.analysis.render.advise import advice_renderable
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -94,7 +93,8 @@ def plan(
         )
     data = report.to_dict()
     if json_out:
-        typer.echo(json.dumps(data))
+        from bufreuse.analysis.render.export import json_text
+        typer.echo(json_text(data))
     else:
         _render(file, data)
     bad = [b for b in data["buffers"] if not b["ok"]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -41,7 +40,8 @@ def snapshot_diff(
         raise InputError(str(e)) from None
     diff = diff_files(a, b, categories=cats, site_frame=site_frame)
     if json_out:
-        typer.echo(json.dumps(diff.to_json(), allow_nan=False))
+        from bufreuse.analysis.render.export import json_text
+        typer.echo(json_text(diff.to_json()))
     else:
         from bufreuse.analysis.render.whatif import diff_renderable
 

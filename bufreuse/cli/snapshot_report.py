@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,7 +129,8 @@ def snapshot_report(
             print_error(str(res.error))
             continue
         if json_out:
-            typer.echo(json.dumps(res.report, allow_nan=False, default=str))
+            from bufreuse.analysis.render.export import json_text
+            typer.echo(json_text(res.report, default=str))
         else:
             from bufreuse.analysis.render.snapshot_tables import file_renderable
 

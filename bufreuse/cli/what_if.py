@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Annotated
@@ -101,7 +100,8 @@ def what_if(
         measured=_measured(measured or [], counts),
     )  # fmt: skip
     if json_out:
-        typer.echo(json.dumps(result.to_json(), allow_nan=False))
+        from bufreuse.analysis.render.export import json_text
+        typer.echo(json_text(result.to_json()))
     else:
         from bufreuse.analysis.render.whatif import whatif_renderable
 

@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from bufreuse.analysis.render.export import renderable_text
+from bufreuse.analysis.render.export import json_text, renderable_text
 from bufreuse.analysis.render.safe import rich_text
 from bufreuse.analysis.runs.compare import ComparisonResult, RunComparison
 from bufreuse.analysis.runs.verdicts import MetricDelta
@@ -171,4 +170,4 @@ def comparison_text(result: ComparisonResult, *, width: int = 160) -> str:
 
 def comparison_json(result: ComparisonResult) -> str:
     """The JSON that ``bufreuse compare --json`` prints."""
-    return json.dumps(result.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+    return json_text(result.to_dict(), indent=2, sort_keys=True)
