@@ -164,3 +164,63 @@ def test_an_unused_ep1_dispatch_ring_is_not_planned_or_refused(parallel):
     pool = BufferPool("cpu")
     with install_default(model, pool, _knobs(2), tokens=TOKENS, num_microbatches=8) as inst:
         assert "dispatch_output" in inst.unused and "dispatch_output" not in pool.names()
+
+
+def _stage_model(pp: int, layers_per_stage: int):
+    """One pipeline stage's MoE layers of a ``pp``-stage model (the config says PP = ``pp``; a gloo world of one
+    runs them)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        num_layers=pp * layers_per_stage,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp
+    return torch.nn.ModuleList([spec(config=cfg) for _ in range(layers_per_stage)])
+
+
+def test_install_plans_the_pipeline_rank_it_is_given(parallel):
+    """PP = 4, 1F1B, 8 microbatches, 2 MoE layers per stage: the last stage (rank 3) keeps one microbatch in flight,
+    so 2 dispatch slots are its minimum, where rank 0 needs 8 (``bufreuse plan --pp-rank``, the same rows). Installed
+    with ``pp_rank=3``, 2 slots are planned and accepted, and a forward and backward run on them; the same install
+    for rank 0 is refused naming 8 (the positive control: the rank changes the verdict)."""
+    pp, per_stage, m = 4, 2, 8
+    fields = {
+        "num_layers": pp * per_stage,
+        "pipeline_model_parallel_size": pp,
+        "num_moe_experts": EXPERTS,
+        "moe_router_topk": TOPK,
+        "moe_token_dispatcher_type": "alltoall",
+        "hidden_size": HIDDEN,
+        "seq_length": SEQ,
+        "micro_batch_size": MBS,
+        "moe_expert_capacity_factor": 1.0,
+        "moe_pad_expert_input_to_capacity": True,
+        "moe_hybridep_reuse_dispatch_output_buffers": True,
+        "moe_hybridep_num_dispatch_output_buffers": 2,
+        "moe_bufreuse_ring_identity_dispatch": True,
+    }
+    minima = {r: plan_config(fields, num_microbatches=m, pp_rank=r).buffers[0].minimum for r in (0, 3)}
+    assert minima == {0: pp * per_stage, 3: per_stage}, minima
+    model = _stage_model(pp, per_stage)
+    pool = BufferPool("cpu")
+    with install(model, pool, _knobs(2), tokens=TOKENS, num_microbatches=m, pp_rank=3) as inst:
+        assert inst.pp_rank == 3
+        assert planned_mod.planned_minimum(pool, "dispatch_output")[0] == minima[3]
+        _forward(model, _x()).sum().backward()
+    assert pool.stats()["dispatch_output"].acquisitions == per_stage and pool.get("dispatch_output").held == 0
+    with pytest.raises(ConfigError, match=f"below the planner's minimum {minima[0]} .*PP rank 0 of {pp}"):
+        install(_stage_model(pp, per_stage), BufferPool("cpu"), _knobs(2), tokens=TOKENS, num_microbatches=m)

@@ -178,3 +178,33 @@ def test_a_hold_finishing_on_the_readers_stream_joins_nothing() -> None:
     hold.done("t")
     assert ops.log == [("record", ring._slots[0].eager_event, "t")] and ring.stats.gpu_waits == 0
     assert ring._elide and ring.stats.late_records == 0
+
+
+def test_a_non_last_readers_stream_is_joined_by_the_final_release_on_another_stream() -> None:
+    """A deferred slot with two readers after the forward's: a saved reference autograd frees on "u" (not the last
+    reader) and a delayed-wgrad hold finished on "t" (the last). The final release on "t" must wait for every earlier
+    reader: the forward's mark on "s" and the saved reference's on "u", each recorded late on its own stream first,
+    then the release event on "t"."""
+    from bufreuse.pool.tracking import track_saved
+
+    ring, ops = _ring(slots=1)
+    x = ring.acquire((4, 2))  # produced on "s"
+    w = torch.ones(4, 2, requires_grad=True)
+    with track_saved(ring._registry):
+        y = x * w  # a saved reference to the slot
+    hold = ring.hold(x)  # the delayed-wgrad reader
+    assert not ring.release_when_unsaved(x)  # deferred; the forward reader's mark on "s"
+    ops.stream = "u"
+    del y  # autograd frees the saved reference on "u": not the last reader (the hold is left)
+    slot = ring._slots[0]
+    assert ring.held == 1 and [m[0] for m in slot.marks] == ["s", "u"], slot.marks
+    mark_s, mark_u = (m[1] for m in slot.marks)
+    hold.done("t")  # the last reader: the release, on "t"
+    assert ops.log == [
+        ("record", mark_s, "s"),
+        ("wait", mark_s, "t"),
+        ("record", mark_u, "u"),
+        ("wait", mark_u, "t"),
+        ("record", slot.eager_event, "t"),
+    ]
+    assert ring.held == 0 and ring.stats.gpu_waits == 2

@@ -12,6 +12,8 @@ The real-TE and FP8 rows are in ``tests/test_schedule_harness_gpu.py``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -248,3 +250,59 @@ def test_delayed_wgrad_fifo_stays_aligned_when_a_microbatch_holds_nothing(parall
         assert ring.held == 1, "backward_dw of microbatch 0 finished microbatch 1's hold"
         layer.backward_dw()  # mb 1's entry: its hold is done, the slot is released
         assert ring.held == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_delayed_wgrad_fifo_with_microbatches_that_held_nothing_interleaved(parallel, mode: str) -> None:
+    """Microbatches whose slot was released before the experts (``dispatch_postprocess`` copied it, as the sort does
+    or as for a rank that got no tokens: nothing held) interleaved with ones whose FC1 saved the slot into TE's wgrad
+    store (held until ``backward_dw``). Each forward queues one entry, ``None`` or a hold, so each ``backward_dw``
+    finishes its own microbatch's hold: F0 (nothing) F1 (held) B0 B1 W0 must leave microbatch 1's slot held for W1,
+    whose FC1 wgrad reads it. Outputs and every gradient (FC1's weight's from ``backward_dw``) bit-equal to the
+    control."""
+    row = next(r for r in CPU_ROWS if r.name == "te-fake-e1-delay_wgrad_compute-1f1b_dw")
+    copies = {0, 2}  # microbatches whose dispatch_postprocess copies the slot
+
+    def run(rings: bool) -> tuple[list, list]:
+        layer = build_layer(row)
+        disp = layer.token_dispatcher
+        orig = disp.dispatch_postprocess
+        current = [0]
+
+        def dispatch_postprocess(hidden, probs):  # megatron's, copying for the microbatches in ``copies``
+            out = orig(hidden, probs)
+            return (out[0].clone(), *out[1:]) if current[0] in copies else out
+
+        disp.dispatch_postprocess = dispatch_postprocess
+        pool = BufferPool("cpu")
+        leaves = [x.clone().requires_grad_(True) for x in _inputs(row)]
+        held: list[int] = []
+        ctx = install(layer, pool, knobs_for(row), tokens=TOKENS) if rings else contextlib.nullcontext()
+        with mode_env(mode), ctx:
+            outs = {}
+
+            def f(i: int) -> None:
+                current[0] = i
+                outs[i] = _forward(layer, leaves[i], i)
+
+            def b(i: int) -> None:
+                g = torch.Generator().manual_seed(2000 + i)
+                outs[i].backward(torch.randn(outs[i].shape, generator=g).to(outs[i].dtype))
+
+            def w() -> None:
+                layer.backward_dw()
+                held.append(pool.get("dispatch_output").held if rings else -1)
+
+            f(0), f(1), b(0), b(1), w(), w()  # nothing, held, then their backward_dw in order
+            f(2), f(3), b(2), w(), b(3), w()  # and the other way round
+        params = [p.grad.clone() for _, p in sorted(layer.named_parameters()) if p.grad is not None]
+        if rings:
+            # W0: microbatch 0 held nothing, microbatch 1's slot stays held for W1; W2 finished nothing again
+            assert held == [1, 0, 1, 0], held
+            assert pool.stats()["dispatch_output"].deferred_releases >= 2
+        return [outs[i].detach() for i in sorted(outs)] + [x.grad for x in leaves], params
+
+    ref, ref_params = run(rings=False)
+    got, got_params = run(rings=True)
+    assert len(ref_params) == len(got_params) > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref + ref_params, got + got_params, strict=True))
