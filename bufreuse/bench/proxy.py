@@ -82,7 +82,10 @@ class ProxyConfig:
     seed: int = 1234
     """Seed of inputs, weights and permutations (same in every mode: checksums must match)."""
     world_size: int = 1
-    """Processes (GPUs); > 1 runs real ``all_to_all_single`` over NCCL under torchrun."""
+    """Processes; > 1 runs real ``all_to_all_single`` between them under torchrun."""
+    dist_backend: str = "nccl"
+    """Process group at world size > 1: ``nccl`` (one GPU per process) or ``gloo`` (processes may share a GPU,
+    or run on CPU; the all-to-all is staged through host memory on gloo's own stream: not NCCL's times)."""
     device: str = "cuda"
     """``cuda`` or ``cpu`` (tiny CPU runs for tests; no streams, no snapshot)."""
     rank: int = 0
@@ -125,8 +128,14 @@ class ProxyConfig:
             raise bad("warmup_s", "must be between 0 and 600 seconds")
         if self.device not in ("cuda", "cpu"):
             raise bad("device", "must be cuda or cpu")
-        if self.device == "cpu" and (self.comm_ms > 0 or self.cuda_graph or self.world_size > 1):
-            raise bad("device", "cpu runs need comm_ms 0, no cuda_graph and world_size 1")
+        if self.dist_backend not in ("nccl", "gloo"):
+            raise bad("dist_backend", "must be nccl or gloo")
+        if self.device == "cpu" and (
+            self.comm_ms > 0 or self.cuda_graph or (self.world_size > 1 and self.dist_backend != "gloo")
+        ):
+            raise bad("device", "cpu runs need comm_ms 0, no cuda_graph and world_size 1 (or dist_backend gloo)")
+        if self.cuda_graph and self.world_size > 1 and self.dist_backend == "gloo":
+            raise bad("cuda_graph", "gloo collectives cannot be captured in a CUDA graph")
         if self.cuda_graph and self.warmup_steps < 1:
             raise bad("warmup_steps", "CUDA-graph capture needs at least 1 eager warm-up step")
 
@@ -181,6 +190,8 @@ def _device(cfg: ProxyConfig) -> torch.device:
     if not torch.cuda.is_available():
         raise InputError("the proxy needs a CUDA GPU (config.device = 'cuda'); none is visible")
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.dist_backend == "gloo":
+        local %= torch.cuda.device_count()  # gloo: several processes may share a GPU (one H200: all on cuda:0)
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 
@@ -190,9 +201,12 @@ def _group(cfg: ProxyConfig, device: torch.device) -> Any:
         return None
     import torch.distributed as dist
 
-    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device)
+        if cfg.dist_backend == "gloo":
+            dist.init_process_group("gloo")
+        else:
+            os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+            dist.init_process_group("nccl", device_id=device)
     if dist.get_world_size() != cfg.world_size:
         raise InputError(f"config.world_size = {cfg.world_size} but torchrun started {dist.get_world_size()}")
     return dist.group.WORLD

@@ -68,6 +68,13 @@ def register(app: typer.Typer) -> None:
         world_size: Annotated[
             int | None, typer.Option(help="Processes per configuration (default: every visible GPU).")
         ] = None,
+        dist_backend: Annotated[
+            str | None,
+            typer.Option(
+                help="Process group at --world-size > 1: nccl (default; a GPU per process) or gloo (processes may "
+                "share one GPU; all-to-all staged through host memory, so not NCCL's times)."
+            ),
+        ] = None,
         hidden: Annotated[int | None, _shape(_SHAPE_HELP, "hidden")] = None,
         ffn: Annotated[int | None, _shape("Expert FFN size.", "ffn")] = None,
         tokens: Annotated[int | None, _shape("Capacity tokens per microbatch.", "tokens")] = None,
@@ -197,6 +204,7 @@ def register(app: typer.Typer) -> None:
             "hidden": hidden, "ffn": ffn, "tokens": tokens, "local_experts": local_experts, "topk": topk,
             "dtype": dtype, "microbatches": microbatches, "steps": steps, "warmup_steps": warmup_steps,
             "record_steps": record_steps, "seed": seed, "comm_ms": comm_ms, "workload": workload,
+            "dist_backend": dist_backend,
         }  # fmt: skip
         if workload == "cpu-smoke":  # the CPU-only check workload needs no GPU
             given["device"] = "cpu"

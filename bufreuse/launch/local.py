@@ -94,8 +94,11 @@ class LocalLauncher:
             if gpus == 0:
                 raise InputError(_NO_CUDA)
             world = int(config.get("world_size") or 1)
-            if world > gpus:
-                raise InputError(f"configuration {cid}: world_size {world} but only {gpus} GPU(s) are visible here")
+            if world > gpus and config.get("dist_backend") != "gloo":  # gloo: processes may share a GPU
+                raise InputError(
+                    f"configuration {cid}: world_size {world} but only {gpus} GPU(s) are visible here "
+                    "(--dist-backend gloo runs several processes on one GPU)"
+                )
 
     def launch(self, sweep: SweepDir, config_ids: Sequence[str], *, progress: ProgressFn | None = None) -> None:
         total = len(config_ids)

@@ -57,6 +57,11 @@ DEFAULT_PARAMS: dict[str, Any] = {
 }
 """Workload parameters of a sweep (the reference proxy, docs/facts.md); every ``config.json`` holds all of them."""
 
+OPTIONAL_PARAMS: dict[str, tuple[str, ...]] = {"dist_backend": ("nccl", "gloo")}
+"""Parameters a ``config.json`` holds only when given (older sweeps keep their names and configs): name -> choices.
+``dist_backend``: the proxy's process group at world size > 1; ``gloo`` lets several processes share one GPU
+(or run on CPU), its all-to-all staged through host memory on its own stream (so its times are not NCCL's)."""
+
 EXTRA_MODES = ("control", "stream-ordered")
 BUFFERS = ("dispatch", "expert")
 DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
@@ -101,9 +106,13 @@ class SweepSpec:
         bad = [b for b in self.buffers if b not in BUFFERS]
         if bad or not self.buffers:
             raise InputError(f"--buffers {','.join(self.buffers)}: choose one or both of {', '.join(BUFFERS)}")
-        unknown = sorted(set(self.params) - set(DEFAULT_PARAMS))
+        unknown = sorted(set(self.params) - set(DEFAULT_PARAMS) - set(OPTIONAL_PARAMS))
         if unknown:
-            raise InputError(f"unknown sweep parameter(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_PARAMS)}")
+            known = ", ".join([*DEFAULT_PARAMS, *OPTIONAL_PARAMS])
+            raise InputError(f"unknown sweep parameter(s) {', '.join(unknown)}; known: {known}")
+        for key, choices in OPTIONAL_PARAMS.items():
+            if key in self.params and self.params[key] not in choices:
+                raise InputError(f"--{key.replace('_', '-')} {self.params[key]}: choose from {', '.join(choices)}")
         p = {**DEFAULT_PARAMS, **self.params}
         for key in ("hidden", "ffn", "tokens", "local_experts", "topk", "microbatches", "steps"):
             if int(p[key]) < 1:
@@ -189,10 +198,11 @@ def config_problem(config: dict[str, Any]) -> str | None:
             f"--tokens {tokens} must be a multiple of topk x local experts x world size = "
             f"{topk} x {experts} x {world} = {topk * experts * world}"
         )
+    gloo = config.get("dist_backend") == "gloo"
     if config.get("device", "cuda") == "cpu" and (
-        float(config["comm_ms"]) > 0 or config.get("cuda_graph") or world > 1
+        float(config["comm_ms"]) > 0 or config.get("cuda_graph") or (world > 1 and not gloo)
     ):
-        return "a CPU run needs --comm-ms 0, no --cuda-graph and world size 1"
+        return "a CPU run needs --comm-ms 0, no --cuda-graph and world size 1 (or --dist-backend gloo)"
     if config.get("cuda_graph") and int(config["warmup_steps"]) < 1:
         return "--cuda-graph needs --warmup-steps >= 1 (the capture follows an eager step)"
     return None
