@@ -100,7 +100,8 @@ class Case:
     """``bit-equal``; ``early-reuse:<depth>`` (the ring must refuse); ``broken`` (the release rule is broken on
     purpose, :func:`break_release_rule`: the report must show it)."""
     sync_check: bool = False
-    """GPU: count synchronizing CUDA calls (sync debug mode) in each arm's steady state."""
+    """Compare each arm's steady state (a layer's second run) and, on the GPU, count its synchronizing CUDA calls
+    (sync debug mode)."""
 
     @property
     def depth(self) -> int:
@@ -148,6 +149,7 @@ def cpu_cases(ep: int, etp: int, *, full: bool = False) -> list[Case]:
     add("bf16-dropless-1f1b_dw", 1, dtype="bfloat16", dropless=True, order="1f1b_dw")
     add("bf16-pad-vpp", 2, dtype="bfloat16", order="vpp")
     add("bf16-overlap-config-dropless", 1, dtype="bfloat16", overlap=True, dropless=True, routing="skewed")
+    add("steady-state-dropless-empty", 1, dropless=True, routing="empty", sync_check=True)  # the GPU protocol
     if etp == 1:
         add("te-fake-delay_wgrad-pad", 1, spec="te-fake", dtype="bfloat16", delay_wgrad=True, order="1f1b_dw")
         add("te-fake-delay_wgrad-dropless-empty", 1, spec="te-fake", dtype="bfloat16", delay_wgrad=True,
@@ -199,7 +201,7 @@ def routing(case: Case, ep: int, sender: int, mb: int) -> tuple[Any, Any]:
     if int(allowed.sum()) < k:
         raise ValueError(f"case {case.name}: routing {case.routing} leaves {int(allowed.sum())} experts for top-{k}")
     weights = weights * allowed
-    picks = torch.stack([torch.multinomial(weights, k, replacement=False, generator=g) for _ in range(TOKENS)])
+    picks = torch.multinomial(weights.expand(TOKENS, e), k, replacement=False, generator=g)
     rmap = torch.zeros(TOKENS, e, dtype=torch.bool).scatter(1, picks, True)
     scores = torch.rand(TOKENS, k, generator=g) + 0.1
     probs = torch.zeros(TOKENS, e).scatter(1, picks, scores / scores.sum(-1, keepdim=True))
@@ -326,10 +328,14 @@ def forward(layer, x, rmap, probs):
         return layer.postprocess(layer.combine(out), None)
 
 
-def run_order(layer, case: Case, xs: list, routes: list, seen: list | None = None) -> tuple[list, list, dict]:
+def run_order(
+    layer, case: Case, xs: list, routes: list, gouts: list, seen: list | None = None
+) -> tuple[list, list, dict]:
     """Run ``case.order`` over the microbatches: outputs, input and probs gradients, parameter gradients.
 
-    ``seen`` (control): gets ``(input_splits, output_splits, tokens per local expert, dispatch rows)`` per forward.
+    ``xs``, ``routes`` (routing map, probs) and ``gouts`` (the output gradients) live on the run's device already,
+    so a run copies nothing from the host. ``seen`` (control): gets ``(input_splits, output_splits, tokens per
+    local expert, dispatch rows)`` per forward.
     """
     import torch
     from schedule_harness import ORDERS
@@ -337,7 +343,7 @@ def run_order(layer, case: Case, xs: list, routes: list, seen: list | None = Non
     layer.zero_grad(set_to_none=True)
     device = xs[0].device
     leaves = [x.clone().requires_grad_(True) for x in xs]
-    probs = [p.to(device).requires_grad_(True) for _, p in routes]
+    probs = [p.detach().clone().requires_grad_(True) for _, p in routes]
     outs: dict[int, Any] = {}
     hook = None
     if seen is not None:
@@ -361,12 +367,11 @@ def run_order(layer, case: Case, xs: list, routes: list, seen: list | None = Non
         for step in ORDERS[case.order]:
             i = int(step[1:])
             if step[0] == "F":
-                outs[i] = forward(layer, leaves[i], routes[i][0].to(device), probs[i])
+                outs[i] = forward(layer, leaves[i], routes[i][0], probs[i])
             elif step[0] == "W":
                 layer.backward_dw()  # delayed weight gradients of microbatch i (FIFO)
             else:
-                g = torch.Generator().manual_seed(2_000 + i)
-                outs[i].backward(torch.randn(outs[i].shape, generator=g).to(device=device, dtype=outs[i].dtype))
+                outs[i].backward(gouts[i])
     finally:
         if hook is not None:
             hook.remove()
@@ -449,12 +454,15 @@ class World:
     tp_ep_group: list[int]
 
 
-def _sync_count(fn):
-    """``fn()`` under ``torch.cuda.set_sync_debug_mode('warn')``: its result and the synchronizing calls it made."""
+def _sync_count(fn, count: bool = True):
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode('warn')``: its result and the synchronizing calls it made
+    (``count`` False, on CPU: only ``fn()``, so the CPU twin runs the same steady-state protocol)."""
     import warnings
 
     import torch
 
+    if not count:
+        return fn(), []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -488,6 +496,7 @@ def _within(case: str, mode: str, ref: tuple, got: tuple, bound: dict[str, float
 def run_case(case: Case, w: World, result: dict) -> None:
     """Control twice, then rings in production and in debug mode; every problem found, named, into ``result``
     (``problems``, ``info``: filled as the case goes, so a case that raises keeps what it found)."""
+    import torch
     from schedule_harness import MODES, compare, guard, mode_env
 
     from bufreuse.integrations.megatron import install
@@ -496,21 +505,30 @@ def run_case(case: Case, w: World, result: dict) -> None:
 
     problems: list[str] = result["problems"]
     info: dict[str, Any] = result["info"]
-    info["rank"] = w.rank
+    info["rank"], info["device"] = w.rank, w.device
     xs = inputs(case, w.rank, w.device)
-    routes = [routing(case, w.ep, w.rank, mb) for mb in range(MICROBATCHES)]
+    routes = [tuple(t.to(w.device) for t in routing(case, w.ep, w.rank, mb)) for mb in range(MICROBATCHES)]
+    gouts = [torch.randn(x.shape, generator=torch.Generator().manual_seed(2_000 + i)).to(x) for i, x in enumerate(xs)]
     seen: list = []
-    sync = case.sync_check and w.device == "cuda"
+    sync, count = case.sync_check, w.device == "cuda"
 
-    def control(record: list | None = None):
-        return run_order(build_layer(case, w.ep, w.etp, w.device), case, xs, routes, record)
+    def run(layer, record: list | None = None):
+        return run_order(layer, case, xs, routes, gouts, record)
 
-    ref = control(seen)
+    def fresh():
+        return build_layer(case, w.ep, w.etp, w.device)
+
     if sync:
-        control()  # warm-up
-        ref2, info["control_syncs"] = _sync_count(control)
+        # steady state: the counted run is each layer's second (first calls set up lazy state); FP8 scaling
+        # state carries over, so second runs are compared with second runs
+        a, b = fresh(), fresh()
+        first, first_b = run(a, seen), run(b)
+        ref, info["control_syncs"] = _sync_count(lambda: run(a), count)
+        ref2 = run(b)
+        det = compare(f"{case.name} (control vs control, first runs)", "control", first, first_b)
     else:
-        ref2 = control()
+        ref, ref2 = run(fresh(), seen), run(fresh())
+        det = []
     # megatron's splits and per-expert counts against the ones derived from the routing alone
     order_f = [int(s[1:]) for s in _orders()[case.order] if s[0] == "F"]
     rows = []
@@ -527,7 +545,7 @@ def run_case(case: Case, w: World, result: dict) -> None:
             problems.append(f"[{case.name}] pad-to-capacity with splits {ins} {outs} (megatron sends equal capacity)")
     info["dispatch_rows"] = rows
     info["tokens_per_local_expert"] = [s[2] for s in seen]
-    det = compare(f"{case.name} (control vs control)", "control", ref, ref2)
+    det += compare(f"{case.name} (control vs control)", "control", ref, ref2)
     exact = case.spec != "te"  # real TE (bf16 atomics, FP8) need not be bitwise reproducible
     if det and exact:
         problems += ["the control is not deterministic:", *det]
@@ -535,7 +553,7 @@ def run_case(case: Case, w: World, result: dict) -> None:
     info["control_spread"] = bound
     direct = slot_read_directly(case, w.ep, w.etp)
     want_deferred = {"dispatch_output": sum(1 for r in rows if r > 0) if direct else 0, "expert_fc2_output": 0}
-    if direct and case.spec == "te-fake" and case.delay_wgrad:
+    if direct and case.spec in ("te-fake", "te") and case.delay_wgrad:  # TE's FC1 keeps its input for backward_dw
         want_point = ReleasePoint.WGRAD
     else:
         want_point = ReleasePoint.BACKWARD if direct else ReleasePoint.FORWARD
@@ -561,10 +579,10 @@ def run_case(case: Case, w: World, result: dict) -> None:
                     try:
                         with guard(pool, mode):
                             if sync:
-                                run_order(layer, case, xs, routes)  # warm-up (first acquisitions, lazy state)
-                                got, report["syncs"] = _sync_count(lambda lay=layer: run_order(lay, case, xs, routes))
+                                run(layer)  # warm-up (first acquisitions, lazy state)
+                                got, report["syncs"] = _sync_count(lambda lay=layer: run(lay), count)
                             else:
-                                got = run_order(layer, case, xs, routes)
+                                got = run(layer)
                     except EarlyReuseError as e:  # symmetric: every rank's ring is in the same state
                         report["early_reuse"] = str(e)
                         pool.reset()
@@ -761,7 +779,10 @@ def worker_main(spec_path: str, rank: int) -> int:
     """Set up the world once, run every case in order, write ``rank<r>.jsonl`` (one line per case) next to the spec."""
     import datetime
 
+    global HIDDEN, FFN, SEQ, MBS, TOKENS
     spec = json.loads(Path(spec_path).read_text())
+    HIDDEN, FFN, SEQ, MBS = (spec["sizes"][k] for k in ("hidden", "ffn", "seq", "mbs"))
+    TOKENS = SEQ * MBS
     out = Path(spec_path).parent / f"rank{rank}.jsonl"
     ep, etp, device, world = spec["ep"], spec["etp"], spec["device"], spec["ep"] * spec["etp"]
     import torch
@@ -847,14 +868,16 @@ def _free_port() -> int:
 
 def run_world(
     ep: int, etp: int, cases: Iterable[Case], *, device: str = "cpu", workdir: Path, timeout_s: float = 600,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, sizes: dict[str, int] | None = None,
 ) -> WorldResult:  # fmt: skip
-    """Spawn ``ep * etp`` workers running ``cases`` in order; their reports, per case and rank."""
+    """Spawn ``ep * etp`` workers running ``cases`` in order; their reports, per case and rank. ``sizes``: hidden,
+    ffn, seq, mbs (default: this module's)."""
     cases = list(cases)
     world = ep * etp
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {
         "ep": ep, "etp": etp, "device": device, "port": _free_port(), "timeout_s": 120,
+        "sizes": sizes or {"hidden": HIDDEN, "ffn": FFN, "seq": SEQ, "mbs": MBS},
         "cases": [dataclasses.asdict(c) for c in cases],
     }  # fmt: skip
     spec_path = workdir / "spec.json"
@@ -862,6 +885,7 @@ def run_world(
     penv = dict(os.environ, **(env or {}))
     penv["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [penv.get("PYTHONPATH")])])
     penv.setdefault("OMP_NUM_THREADS", "1")
+    penv.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (GPU worlds)
     penv.pop("BUFREUSE_DEBUG", None)  # each case sets its modes itself
     logs = [workdir / f"rank{r}.log" for r in range(world)]
     t0 = time.perf_counter()
