@@ -9,6 +9,8 @@
 # at fixed shapes, rings at the planned depth), gb4-te-pad gb4-te-fp8-pad (the same at micro-batch 4: eager is
 # GPU-bound on the H200), local te te-fp8 (tiny, host-bound). Default: gb-te-pad gb-te-graph. The rings arms
 # exercise the expert ring at EP = 1 (--moe-bufreuse-ring-single-rank-expert; production leaves it unused there).
+# ep2-gloo ep2-gloo-kept: EP = 2, two ranks sharing the one GPU over gloo (tiny, local spec); install() leaves the
+# rings unused there (nothing waits pending-free), -kept keeps them (--moe-bufreuse-keep-unused-rings).
 # Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
 # even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
 # iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed

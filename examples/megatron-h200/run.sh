@@ -16,8 +16,16 @@
 #      gb4-te-pad-control gb4-te-pad-rings  the fixed-shape family at micro-batch 4 (16384 tokens per micro-batch,
 #                                           global batch 16): GPU-bound in eager mode on the H200's host
 #      gb4-te-fp8-pad-control gb4-te-fp8-pad-rings   the same with FP8 (hybrid, delayed)
-#      Every family runs at EP = 1, where install() leaves both rings unused (nothing to replace); the rings
+#      Every family above runs at EP = 1, where install() leaves both rings unused (nothing to replace); the rings
 #      arms add --moe-bufreuse-ring-single-rank-expert so the expert ring runs as it does where it is used.
+#      ep2-gloo-control ep2-gloo-rings      EP = 2: two processes sharing GPU 0 over gloo (--distributed-backend
+#                                           gloo; each rank's LOCAL_RANK set to 0 for megatron's set_device),
+#                                           local spec, tiny shape, rings at the planned depth (1 dispatch, 1
+#                                           expert slot: `bufreuse plan`); install() leaves both unused at EP 2
+#                                           without EP overlap (nothing waits pending-free: docs/megatron.md)
+#      ep2-gloo-kept-control ep2-gloo-kept-rings   the same, the rings kept (--moe-bufreuse-keep-unused-rings):
+#                                           what they cost there. No distributed optimizer (its reduce-scatter /
+#                                           all-gather of the parameter buffers are NCCL's), no CUDA graphs.
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
 #      prof-<run>                           a short <run> (PROF_ITERS, default 14) under the torch profiler for
 #                                           iterations PROF_START..PROF_END-1 (default 10, 11): OUT/prof-<run>/
@@ -76,6 +84,9 @@ RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-
 GB_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 4
   --moe-hybridep-num-expert-output-buffers 4 "${EXERCISE[@]}")
 PAD=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
+EP2_GLOO=(--distributed-backend gloo --expert-model-parallel-size 2)  # after COMMON's EP 1: the last one counts
+EP2_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 1
+  --moe-hybridep-num-expert-output-buffers 1)  # `bufreuse plan`: PP 1, DP 2, 2 microbatches -> 1 and 1
 GRAPH=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --no-check-for-nan-in-loss-and-grad "${PAD[@]}")
 # The planned depth: `bufreuse plan` on the gb-te-pad / gb-te-graph arguments (--data-parallel-size 1) says
 # dispatch minimum 2 (released after backward: bf16 GEMMs save it), expert minimum 1 (released after forward).
@@ -89,6 +100,9 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
   local -n shape_args=$shape
   local args=("${shape_args[@]}" "${COMMON[@]}" --train-iters "$iters" "$@")
   local rc launch=(torchrun --nproc-per-node 1 --master-port 29533)
+  # ep2-gloo-*: two ranks on the one GPU; megatron calls torch.cuda.set_device(LOCAL_RANK), so each sees 0
+  [[ $name == *ep2-gloo-* ]] && launch=(torchrun --nproc-per-node 2 --master-port 29533 --no-python
+    env LOCAL_RANK=0 python3)
   # LAUNCHER=python: one process, torchrun's environment set by hand (saves torchrun's own start-up)
   [ "${LAUNCHER:-torchrun}" = python ] && launch=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 python3)
@@ -132,6 +146,9 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
     gb4-te-pad-rings) echo "${TE[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
     gb4-te-fp8-pad-control) echo "${TE[*]} ${FP8[*]} ${PAD[*]}" ;;
     gb4-te-fp8-pad-rings) echo "${TE[*]} ${FP8[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
+    ep2-gloo-control | ep2-gloo-kept-control) echo "${LOCAL[*]} ${EP2_GLOO[*]}" ;;
+    ep2-gloo-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_RINGS[*]}" ;;
+    ep2-gloo-kept-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_RINGS[*]} --moe-bufreuse-keep-unused-rings" ;;
     *) return 1 ;;
   esac
 }
