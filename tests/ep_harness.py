@@ -265,7 +265,7 @@ def build_layer(case: Case, ep: int, etp: int, device: str):
         moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device == "cpu",  # on the GPU: megatron's seeded CUDA init (TE modules need it)
         add_bias_linear=False,
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
