@@ -291,3 +291,23 @@ def test_an_unused_dispatch_ring_is_never_too_small():
     kept = {**fields, "expert_model_parallel_size": 2, "moe_bufreuse_keep_unused_rings": True}
     real = next(b for b in plan_config(kept).buffers if b.buffer == "dispatch")
     assert real.unused is None and not real.ok and real.minimum > 1
+
+
+EP64 = Path(__file__).resolve().parents[1] / "examples" / "megatron-ep64" / "megatron.args"
+
+
+@pytest.mark.parametrize("extra", ["--num-lyers 4", "--no-such-flag --moe-frobnicate 2"])
+def test_plan_refuses_an_args_file_with_an_unknown_flag_in_one_line(tmp_path, extra):
+    """Megatron-LM would refuse the file (its argparse), so there is no run to plan: one error line, exit 2,
+    also when another problem (the microbatch count) would be reported too."""
+    ok = runner.invoke(app, ["plan", str(EP64), "--data-parallel-size", "64"])
+    assert ok.exit_code in (0, 1) and not ok.stderr.strip(), ok.output  # positive control: the example plans
+    bad = tmp_path / "run.args"
+    bad.write_text(EP64.read_text() + extra + "\n")
+    for argv in (["--data-parallel-size", "64"], []):
+        res = runner.invoke(app, ["plan", str(bad), *argv])
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.output
+        assert extra.split()[0] in lines[0] and "Megatron would refuse" in lines[0]
+    if extra.startswith("--num-lyers"):
+        assert "did you mean --num-layers?" in lines[0]

@@ -45,6 +45,7 @@ __all__ = [
     "report_exception",
     "root_option",
     "set_debug",
+    "unknown_flags_text",
     "write_figures",
 ]
 
@@ -94,29 +95,31 @@ def print_error(message: str, *, label: str = "error") -> None:
     err_console.print(f"[bold red]{label}:[/] {escape(_one_line(message))}", soft_wrap=True, highlight=False)
 
 
-def warn_unknown_flags(file: str | os.PathLike[str]) -> None:
-    """Print one ``warning:`` line naming an args file's flags that Megatron-LM would refuse (none: nothing)."""
+def unknown_flags_text(file: str | os.PathLike[str]) -> str:
+    """One line naming an args file's flags that Megatron-LM would refuse, with a close match; "" when none."""
     import difflib
+    from dataclasses import fields
 
-    from bufreuse.config import unknown_flags
+    from bufreuse.config import BufReuseConfig, unknown_flags
     from bufreuse.megatron_flags import MEGATRON_CORE_VERSION, MEGATRON_FLAGS
 
     unknown = unknown_flags(file)
     if not unknown:
-        return
+        return ""
     shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-    from dataclasses import fields
-
-    from bufreuse.config import BufReuseConfig
-
     knobs = {f.name.replace("_", "-") for f in fields(BufReuseConfig)}
     close = next((m for u in unknown if (m := difflib.get_close_matches(u[2:], MEGATRON_FLAGS | knobs, n=1))), [])
     hint = f" (did you mean --{close[0]}?)" if close else ""
-    print_error(
+    return (
         f"{file}: {shown}: not Megatron-LM arguments (megatron-core {MEGATRON_CORE_VERSION}) nor bufreuse knobs; "
-        f"Megatron would refuse them and nothing here reads them{hint}",
-        label="warning",
+        f"Megatron would refuse them and nothing here reads them{hint}"
     )
+
+
+def warn_unknown_flags(file: str | os.PathLike[str]) -> None:
+    """Print :func:`unknown_flags_text` as one ``warning:`` line (none: nothing)."""
+    if text := unknown_flags_text(file):
+        print_error(text, label="warning")
 
 
 def report_exception(e: BaseException) -> int:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from bufreuse.cli._common import console, handle_errors, json_option, warn_unknown_flags
+from bufreuse.cli._common import console, handle_errors, json_option, unknown_flags_text
 from bufreuse.errors import CheckFailedError, InputError
 
 __all__ = ["planned_minimum", "register"]
@@ -69,7 +69,8 @@ def plan(
     from bufreuse.plan import plan_config
 
     fields = _fields(file)
-    warn_unknown_flags(file)
+    if unknown := unknown_flags_text(file):  # Megatron would not start this run: nothing to plan
+        raise InputError(f"{unknown}; fix or remove them to plan this run")
     if pp_rank >= int(fields.get("pipeline_model_parallel_size") or 1):
         raise InputError(
             f"--pp-rank {pp_rank}: the config has {fields.get('pipeline_model_parallel_size') or 1} stage(s)"
