@@ -11,6 +11,8 @@
 # exercise the expert ring at EP = 1 (--moe-bufreuse-ring-single-rank-expert; production leaves it unused there).
 # ep2-gloo ep2-gloo-kept: EP = 2, two ranks sharing the one GPU over gloo (tiny, local spec); install() leaves the
 # rings unused there (nothing waits pending-free), -kept keeps them (--moe-bufreuse-keep-unused-rings).
+# ep2-gloo-overlap: EP = 2 over gloo with --overlap-moe-expert-parallel-comm (combined 1F1B), where install() uses
+# the dispatch ring; each run also writes one allocator snapshot per rank (F-<arm>-K-snapshots/rank<R>.pickle).
 # Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
 # even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
 # iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed
@@ -27,6 +29,11 @@
 #   F-losses-drift.{txt,json}  F-control-1 vs the last control's losses (TE is not bit-reproducible)
 #   F-summary.json        scripts/megatron_ab_summary.py: per round each arm's median step time and the ratio,
 #                         the verdicts and intervals, the drift figures (machine-readable)
+# and for families whose runs write per-rank snapshots (ep2-gloo-overlap):
+#   F-snapshotsK-control.txt, F-snapshotsK-rings.txt   bufreuse snapshot-report per arm of round K (its ranks
+#                         combined); F-snapshotsK.jsonl: snapshot-report --json over both arms, one line per rank
+#   F-pending.txt         one line per round, also printed: MoE pending-free at max active per rank (the
+#                         snapshot-report categories other than "other") and max reserved per rank, control and rings
 # Rounds of several calls or sessions (one --compare-only folder each) pool into one between-rounds interval:
 #   python3 scripts/megatron_ab_summary.py --family F --pool DIR1 DIR2 ... [--json F-pooled.json]
 # (refused unless every control run, and every rings run, logged the same command)
@@ -139,6 +146,49 @@ compare() {  # stem logs...: table and JSON of one `bufreuse compare`
   cat "$out/$stem.txt"
 }
 
+snapshot_reports() {  # family rounds: snapshot-report over each round's rank snapshots, then the pending-free line
+  local f=$1 rounds=$2 k arm d files
+  rm -f "$out/$f-pending.txt"
+  for ((k = 1; k <= rounds; k++)); do
+    files=()
+    for arm in control rings; do
+      d=$out/$f-$arm-$k-snapshots
+      if ! compgen -G "$d/rank*.pickle*" >/dev/null; then
+        echo "== $f round $k: no snapshot in $d (the run did not finish?)" | tee -a "$out/$f-pending.txt" >&2
+        status=1
+        continue 2
+      fi
+      files+=("$d"/rank*.pickle*)
+      # the table per arm, its ranks combined (they share the one GPU)
+      bufreuse snapshot-report "$d"/rank*.pickle* >"$out/$f-snapshots$k-$arm.txt" 2>&1 || status=1
+      echo "== $f-snapshots$k-$arm"
+      cat "$out/$f-snapshots$k-$arm.txt"
+    done
+    bufreuse snapshot-report --json "${files[@]}" >"$out/$f-snapshots$k.jsonl" 2>"$out/$f-snapshots$k.err" || status=1
+    [ -s "$out/$f-snapshots$k.err" ] || rm -f "$out/$f-snapshots$k.err"
+    python3 - "$out/$f-snapshots$k.jsonl" "$f round $k" <<'EOF' | tee -a "$out/$f-pending.txt"
+import json, re, sys
+arms = {"control": {}, "rings": {}}
+for line in open(sys.argv[1]).read().splitlines():
+    if line.strip():
+        d = json.loads(line)
+        folder, name = d["file"].replace("\\", "/").split("/")[-2:]
+        arm = re.search(r"-(control|rings)-\d+-snapshots$", folder).group(1)
+        moe = sum(v for k, v in d["pending_free_by_category_at_max_active"].items() if k != "other")
+        arms[arm][int(re.match(r"rank(\d+)", name).group(1))] = (moe, d["max_reserved_bytes"], d["recording"])
+if not arms["control"] or not arms["rings"]:
+    sys.exit(f"== {sys.argv[2]}: snapshot-report gave no report for an arm")
+def col(arm, i):
+    return " / ".join(f"{v[i] / 2**20:,.1f}" for _, v in sorted(arms[arm].items()))
+off = [a for a, r in arms.items() if not all(v[2] for v in r.values())]
+print(f"== {sys.argv[2]}: MoE pending-free at max active per rank (MiB): control {col('control', 0)}, rings "
+      f"{col('rings', 0)}; max reserved per rank (MiB): control {col('control', 1)}, rings {col('rings', 1)}"
+      + (f"; NO HISTORY in {', '.join(off)} (final state only)" if off else ""))
+EOF
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+}
+
 for f in "${families[@]}"; do
   # complete rounds only: both arms' logs there, in round order
   rounds=0
@@ -183,5 +233,7 @@ for f in "${families[@]}"; do
   echo "== $f-summary ($f-summary.json)"
   python3 scripts/megatron_ab_summary.py --out "$out" --family "$f" --rounds "$rounds" --json "$out/$f-summary.json" \
     || status=1
+  # families that record per-rank snapshots (a missing one is then a failed run, reported)
+  if [[ $f == ep2-gloo-overlap* ]] || [ -d "$out/$f-control-1-snapshots" ]; then snapshot_reports "$f" "$rounds"; fi
 done
 exit $status

@@ -324,3 +324,75 @@ def test_pool_refuses_another_warmup_and_bad_arguments(tmp_path: Path, capsys) -
     (a / f"{fam}-rings-1.log").unlink()
     assert summ.main(["--family", fam, "--pool", str(a)]) == 2
     assert f"{fam}-rings-1.log" in capsys.readouterr().err
+
+
+def _overlap_round(out: Path, snapshots: dict[str, list[str]]) -> None:
+    """A recorded round of ep2-gloo-overlap in `out`: the 2026-12-03 TE logs, and per arm the given sweep
+    snapshots as its ranks' (rank0, rank1, ...)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for arm in ("control", "rings"):
+        shutil.copy(RECORDED / f"te-{arm}-1.log", out / f"ep2-gloo-overlap-{arm}-1.log")
+        d = out / f"ep2-gloo-overlap-{arm}-1-snapshots"
+        d.mkdir()
+        for r, name in enumerate(snapshots[arm]):
+            shutil.copy(ROOT / "examples" / "sweep-h200" / name / "snapshot.pickle.gz", d / f"rank{r}.pickle.gz")
+
+
+def test_ep2_gloo_overlap_compare_reports_every_rank_snapshot(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # control: slots0 (the record-stream control, MoE buffers pending-free at max active) and stream-ordered
+    snaps = {"control": ["slots0", "stream-ordered"], "rings": ["slots2", "slots4"]}
+    _overlap_round(out, snaps)
+    res = _ab(out, "--compare-only", "ep2-gloo-overlap", ROUNDS="1", PYTHONPATH=str(ROOT))
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in ("round1.txt", "round1.json", "losses.txt", "summary.json", "snapshots1-control.txt",
+                 "snapshots1-rings.txt", "snapshots1.jsonl", "pending.txt"):  # fmt: skip
+        assert (out / f"ep2-gloo-overlap-{name}").is_file(), name
+    assert "combined over 2 of 2 files" in (out / "ep2-gloo-overlap-snapshots1-rings.txt").read_text()
+    assert len((out / "ep2-gloo-overlap-snapshots1.jsonl").read_text().splitlines()) == 4
+    # the expected line, from snapshot-report --json on each file alone
+    figures: dict[str, list[tuple[float, float]]] = {}
+    for arm, names in snaps.items():
+        for name in names:
+            rep = subprocess.run([sys.executable, "-m", "bufreuse", "snapshot-report", "--json",
+                                  str(ROOT / "examples" / "sweep-h200" / name / "snapshot.pickle.gz")],
+                                 capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+            d = json.loads(rep.stdout)
+            by = d["pending_free_by_category_at_max_active"]
+            figures.setdefault(arm, []).append(
+                ((by["dispatch_output"] + by["expert_output"]) / 2**20, d["max_reserved_bytes"] / 2**20)
+            )
+    assert figures["control"][0][0] > 0 and figures["rings"][0][0] == 0  # the line can tell the arms apart
+
+    def col(arm: str, i: int) -> str:
+        return " / ".join(f"{f[i]:,.1f}" for f in figures[arm])
+
+    line = (f"== ep2-gloo-overlap round 1: MoE pending-free at max active per rank (MiB): control {col('control', 0)}"
+            f", rings {col('rings', 0)}; max reserved per rank (MiB): control {col('control', 1)}, rings "
+            f"{col('rings', 1)}")  # fmt: skip
+    assert (out / "ep2-gloo-overlap-pending.txt").read_text() == line + "\n"
+    assert line in res.stdout.splitlines()
+
+
+def test_ep2_gloo_overlap_compare_fails_on_a_missing_snapshot(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _overlap_round(out, {"control": ["slots0", "slots0"], "rings": []})  # the rings run dumped nothing
+    res = _ab(out, "--compare-only", "ep2-gloo-overlap", ROUNDS="1", PYTHONPATH=str(ROOT))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "no snapshot in" in (out / "ep2-gloo-overlap-pending.txt").read_text()
+    assert (out / "ep2-gloo-overlap-round1.txt").is_file()  # the log comparisons still ran
+    # positive control: another family without snapshot folders is not asked for any
+    shutil.copy(RECORDED / "te-control-1.log", out / "te-control-1.log")
+    shutil.copy(RECORDED / "te-rings-1.log", out / "te-rings-1.log")
+    ok = _ab(out, "--compare-only", "te", ROUNDS="1", PYTHONPATH=str(ROOT))
+    assert ok.returncode == 0 and not (out / "te-pending.txt").exists(), ok.stdout + ok.stderr
+
+
+def test_dry_run_of_ep2_gloo_overlap_launches_the_snapshot_recorder(tmp_path: Path) -> None:
+    res = _ab(tmp_path, "ep2-gloo-overlap", DRY_RUN="1", ROUNDS="1")
+    assert res.returncode == 0, res.stderr
+    cmds = {x.split()[1]: x for x in res.stdout.splitlines() if x.startswith("== ep2-gloo-overlap-")}
+    assert sorted(cmds) == ["ep2-gloo-overlap-control-1", "ep2-gloo-overlap-rings-1"]
+    for name, c in cmds.items():
+        assert f"scripts/rank_snapshots.py --out {tmp_path}/{name}-snapshots -m bufreuse.integrations.entry" in c
+        assert "--overlap-moe-expert-parallel-comm" in c and "--train-iters 20" in c

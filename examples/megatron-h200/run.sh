@@ -26,6 +26,16 @@
 #      ep2-gloo-kept-control ep2-gloo-kept-rings   the same, the rings kept (--moe-bufreuse-keep-unused-rings):
 #                                           what they cost there. No distributed optimizer (its reduce-scatter /
 #                                           all-gather of the parameter buffers are NCCL's), no CUDA graphs.
+#      ep2-gloo-overlap-control ep2-gloo-overlap-rings   EP = 2 over gloo with --overlap-moe-expert-parallel-comm
+#                                           (combined 1F1B: dispatch/combine on megatron's comm stream), the one
+#                                           all-to-all configuration where a buffer crosses streams, so install()
+#                                           uses the dispatch ring there; small shape (EP2_SMALL: 2 layers, 4
+#                                           microbatches a rank), local spec, rings at the planned depth. Every run
+#                                           of this family records allocator history and writes one snapshot per
+#                                           rank, OUT/<name>-snapshots/rank<R>.pickle (scripts/rank_snapshots.py,
+#                                           which also logs each rank's max allocated / reserved: Megatron's memory
+#                                           lines are data-parallel rank 0's); scripts/megatron-ab.sh reports them
+#                                           (snapshot-report per arm, --json, the pending-free line).
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
 #      prof-<run>                           a short <run> (PROF_ITERS, default 14) under the torch profiler for
 #                                           iterations PROF_START..PROF_END-1 (default 10, 11): OUT/prof-<run>/
@@ -44,6 +54,7 @@
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 [ "${DRY_RUN:-0}" = 1 ] && : "${MEGATRON_LM_PATH:=.mlm}"
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (pretrain_gpt.py)}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -87,6 +98,61 @@ PAD=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
 EP2_GLOO=(--distributed-backend gloo --expert-model-parallel-size 2)  # after COMMON's EP 1: the last one counts
 EP2_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 1
   --moe-hybridep-num-expert-output-buffers 1)  # `bufreuse plan`: PP 1, DP 2, 2 microbatches -> 1 and 1
+EP2_SMALL=(  # EP overlap: 2 layers, 1024 tokens a micro-batch, global 8 / (micro 1 x DP 2) = 4 microbatches a rank
+  --num-layers 2 --hidden-size 1024 --ffn-hidden-size 4096 --moe-ffn-hidden-size 1024
+  --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
+  --micro-batch-size 1 --global-batch-size 8 --num-experts 8 --moe-router-topk 2
+)
+# ep2-gloo-overlap: megatron-core 0.19.2's asserts on the path overlap_moe_expert_parallel_comm takes, and how
+# this family meets each (tests/test_megatron_ep2_gloo.py runs parse_args + validate_args + TransformerConfig):
+#   transformer_config.py:2671-2673  torch >= 2.6 (the venv's and the device's torch)
+#   transformer_config.py:2674-2678  PP > 1 needs VPP: PP = 1 here (no pipeline, no VPP)
+#   transformer_config.py:2680-2682  expert_model_parallel_size > 1: EP = 2
+#   transformer_config.py:2683-2686  alltoall or flex dispatcher: --moe-token-dispatcher-type alltoall (COMMON)
+#   transformer_config.py:2688-2699  no full recompute, no recompute method / num layers, "moe" not in
+#                                    recompute_modules: no recompute flag at all (recompute_modules defaults to
+#                                    ["core_attn"], transformer_config.py:1763-1764, used only with selective)
+#   transformer_config.py:2701-2704  bf16 or fp16: --bf16 (COMMON)
+#   transformer_config.py:2706-2708  no moe_shared_expert_overlap: no shared experts here
+#   transformer_config.py:2709-2713  mtp_num_layers None/0/1: no MTP
+#   transformer_config.py:2717-2736  ncclep gates: not the flex dispatcher
+#   transformer_config.py:2738-2747  CUDA-graph scope: no CUDA graphs (--cuda-graph-impl none, the default)
+#   transformer_config.py:2749-2752  delay_wgrad_compute needs overlap: not set (optional; without it
+#                                    TransformerLayerNode.backward_dw returns at once, models/common/utils.py:325)
+#   transformer_config.py:2759-2776  overlap_dispatch_backward_with_experts_wgrad / ep_overlap_early_attn_memory_
+#                                    release: neither set
+#   transformer_layer.py:1263        CUDA graph of the whole MLP/MoE: no CUDA graphs
+#   arguments.py:1413-1439           TP / CP > 1 with overlap only warns (CUDA_DEVICE_MAX_CONNECTIONS): TP = CP = 1;
+#                                    megatron advises more than 1 connection for EP overlap, so this family's ranks
+#                                    run with CUDA_DEVICE_MAX_CONNECTIONS=32 (the others keep 1)
+#   schedules.py:751 forward_backward_no_pipelining -> combined_1f1b.py:combined_1f1b_schedule_for_no_pipelining
+#                                    (PP = 1): forward_step_func(..., return_schedule_plan=True): .mlm/pretrain_gpt.py
+#                                    forward_step asserts args.overlap_moe_expert_parallel_comm (pretrain_gpt.py:340)
+#   combined_1f1b.py:343-345         checkpoint_activations_microbatch None: PP = 1 passes None
+#   combined_1f1b.py:387-389         the forward step returns an AbstractSchedulePlan: GPTModel.build_schedule_plan
+#   model_chunk_schedule_plan.py:534, 600   b_grad / b_layer set: the schedule's own invariants (>= 1 microbatch)
+#   pipeline_parallel/utils.py:73,84 vp_stage None without VPP
+#   models/common/utils.py:391-396   _BackwardDWWrapper needs a TransformerLayer and GraphableMegatronModule:
+#                                    GPT's decoder layers are both
+#   TE is not needed: models/gpt/fine_grained_callables.py calls MoELayer.route / preprocess / dispatch /
+#   routed_experts_compute / combine and TransformerLayer._forward_attention, all spec-independent; the
+#   backward_dw callables run only with delay_wgrad_compute. So the local spec (SequentialMLP), as the other EP 2
+#   families. Micro-batch: any; microbatches: the combined schedule runs F0, (F(i+1) B(i)) x (m-1), B(m-1), so
+#   m >= 2 gives the overlapped steps; m = 4 here. Mock data (COMMON).
+# gloo (--distributed-backend gloo): megatron's all_to_all (tensor_parallel/mappings.py:_AllToAll.forward) is
+# synchronous (no async_op unless use_nccl_stream); the schedule puts it on the comm stream with
+# torch.cuda.stream(comm) (pipeline_parallel/utils.py:ScheduleNode.stream_acquire_context). Gloo on CUDA tensors
+# stages through pinned host memory on a pool stream of its own (ProcessGroupGloo.cpp AsyncAlltoallCUDAWork: the
+# side stream waits for the current (comm) stream, D2H copy, host all-to-all, H2D copy; wait() makes the comm
+# stream wait for the side stream and the host for the host part). So every dispatch/combine blocks the host
+# for a host-side all-to-all: step times here are not NCCL's, the memory per rank is what the rings change.
+EP2_OVERLAP=(--overlap-moe-expert-parallel-comm)
+# `bufreuse plan` on the ep2-gloo-overlap-rings arguments (--data-parallel-size 2): schedule combined, m = 4,
+# dispatch_output minimum 1 (released after forward: the mlp node frees its input, 4 local experts; the plan's
+# model has the control holding 4 x 8 MiB pending-free), expert_fc2_output minimum 1 but "not used" (with 4 local experts the combine
+# reads the sort's copy). install() uses the dispatch ring and leaves the expert ring unused.
+EP2_OVERLAP_RINGS=(--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 1
+  --moe-hybridep-num-expert-output-buffers 1)
 GRAPH=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --no-check-for-nan-in-loss-and-grad "${PAD[@]}")
 # The planned depth: `bufreuse plan` on the gb-te-pad / gb-te-graph arguments (--data-parallel-size 1) says
 # dispatch minimum 2 (released after backward: bf16 GEMMs save it), expert minimum 1 (released after forward).
@@ -101,8 +167,16 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
   local args=("${shape_args[@]}" "${COMMON[@]}" --train-iters "$iters" "$@")
   local rc launch=(torchrun --nproc-per-node 1 --master-port 29533)
   # ep2-gloo-*: two ranks on the one GPU; megatron calls torch.cuda.set_device(LOCAL_RANK), so each sees 0
-  [[ $name == *ep2-gloo-* ]] && launch=(torchrun --nproc-per-node 2 --master-port 29533 --no-python
+  [[ ${RUN_BASE:-$name} == *ep2-gloo-* ]] && launch=(torchrun --nproc-per-node 2 --master-port 29533 --no-python
     env LOCAL_RANK=0 python3)
+  # ep2-gloo-overlap-*: more than one hardware queue (megatron's advice for EP overlap, arguments.py:1426-1435),
+  # and every rank's allocator history, dumped per rank (Megatron's own dump is the last rank's only)
+  local snapshots=""
+  if [[ ${RUN_BASE:-$name} == *ep2-gloo-overlap-* ]]; then
+    snapshots=$out/$name-snapshots
+    launch=(torchrun --nproc-per-node 2 --master-port 29533 --no-python env LOCAL_RANK=0
+      CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$repo/scripts/rank_snapshots.py" --out "$snapshots")
+  fi
   # LAUNCHER=python: one process, torchrun's environment set by hand (saves torchrun's own start-up)
   [ "${LAUNCHER:-torchrun}" = python ] && launch=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 python3)
@@ -110,6 +184,7 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
     echo "== $name (timeout ${limit}s): ${launch[*]} -m bufreuse.integrations.entry ${args[*]}"
     return 0
   fi
+  [ -n "$snapshots" ] && rm -rf "$snapshots"  # no earlier call's snapshot may stand in for this run's
   echo "== $name: ${launch[*]} -m bufreuse.integrations.entry ${args[*]}" | tee "$out/$name.log"
   timeout -k 15 "$limit" "${launch[@]}" -m bufreuse.integrations.entry "${args[@]}" >>"$out/$name.log" 2>&1
   rc=$?
@@ -119,6 +194,7 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
 
 shape() {  # run name -> the name of its shape array
   case $1 in
+    ep2-gloo-overlap-*) echo EP2_SMALL ;;
     gb4-*) echo GB4 ;;
     gb-*) echo GB ;;
     *) echo TINY ;;
@@ -148,6 +224,8 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
     gb4-te-fp8-pad-rings) echo "${TE[*]} ${FP8[*]} ${PAD[*]} ${PLANNED_RINGS[*]}" ;;
     ep2-gloo-control | ep2-gloo-kept-control) echo "${LOCAL[*]} ${EP2_GLOO[*]}" ;;
     ep2-gloo-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_RINGS[*]}" ;;
+    ep2-gloo-overlap-control) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_OVERLAP[*]}" ;;
+    ep2-gloo-overlap-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_OVERLAP[*]} ${EP2_OVERLAP_RINGS[*]}" ;;
     ep2-gloo-kept-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_RINGS[*]} --moe-bufreuse-keep-unused-rings" ;;
     *) return 1 ;;
   esac
@@ -156,6 +234,7 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
 timed() {  # name [log name]: one timed run (no memory history)
   local extra
   extra=$(spec "$1") || { echo "unknown run $1" >&2; return 2; }
+  RUN_BASE=$1  # run() picks the launcher by the run, whatever the log is called
   # shellcheck disable=SC2086  # spec's words are flags without spaces
   run "${2:-$1}" "$ITERS" "${LIMIT:-240}" "$(shape "$1")" $extra
 }
@@ -168,6 +247,7 @@ for name in "${names[@]}"; do
     mem-*)
       base=${name#mem-}
       extra=$(spec "$base") || { echo "unknown run $base" >&2; status=2; continue; }
+      RUN_BASE=$base
       # shellcheck disable=SC2086
       run "$name" 16 "${LIMIT:-240}" "$(shape "$base")" $extra --record-memory-history --memory-snapshot-path "$out/$name.pickle" ;;
     prof-*)
@@ -177,6 +257,7 @@ for name in "${names[@]}"; do
       base=${name#prof-} log=$name
       if [[ $base == *@* ]]; then log=${base#*@}; base=${base%%@*}; fi  # prof-<run>@<log>: logged as <log>
       extra=$(spec "$base") || { echo "unknown run $base" >&2; status=2; continue; }
+      RUN_BASE=$base
       # shellcheck disable=SC2086
       run "$log" "${PROF_ITERS:-14}" "${LIMIT:-240}" "$(shape "$base")" $extra --profile --use-pytorch-profiler \
         --profile-step-start "${PROF_START:-10}" --profile-step-end "${PROF_END:-12}" --profile-ranks 0 \
