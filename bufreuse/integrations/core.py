@@ -491,6 +491,10 @@ class Installation:
         """Whether ``buffer`` is enabled and ``adapter`` hooks it on ``layer``."""
         return buffer in self.knobs.enabled() and self._owners.get((id(layer), buffer)) == adapter
 
+    def hooks_buffer(self, layer: Any, buffer: str) -> bool:
+        """Whether ``buffer`` is enabled and some adapter hooks it on ``layer``."""
+        return buffer in self.knobs.enabled() and (id(layer), buffer) in self._owners
+
     def note_unused(self, name: str, why: str) -> None:
         """Record (and log once, at info) that the enabled buffer ``name`` is not hooked, and why."""
         if name not in self.unused:

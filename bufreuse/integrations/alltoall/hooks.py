@@ -14,9 +14,10 @@ Every release is by fact: a hooked stage that receives a live slot runs inside `
 (a stage that receives a copy pays one pointer comparison and nothing else), and a release waits for
 the saved references those stages made to the slot (a bf16 expert GEMM's input with one local expert,
 ``probs * hidden`` under ``moe_apply_probs_on_input``, the unpermute's ``index_add_`` source under
-deterministic algorithms), so it lands after the backward that reads them; nothing is decided from
-the configuration. Nothing in the experts after FC2 saves FC2's output (megatron-core 0.19.2); debug
-mode tracks the whole experts forward and raises if that ever changes.
+deterministic algorithms, a user's module hook), so it lands after the backward that reads them; nothing
+is decided from the configuration. Whenever the FC2 ring is in use, ``routed_experts_compute`` (the
+experts, their module hooks and ``combine_preprocess``: where the FC2 slot is made) runs in the region
+on every call (:func:`track_fc2_stage`), with or without the dispatch ring.
 
 At EP = 1 the upstream all-to-all returns its input, and at EP x ETP = 1 the FC2 output is made and read on
 one stream: there is nothing for those rings to replace, so ``install()`` leaves them unclaimed (no ring
@@ -218,6 +219,8 @@ def _hook_dispatch(inst: Installation, layer: Any, state: _LayerState) -> None:
     reads = reads_live(lambda: state.dispatch)
     inst.override(disp, "token_dispatch", token_dispatch)
     inst.override(disp, "dispatch_postprocess", tracked(pool, dispatch_postprocess, reads))
+    if inst.hooks_buffer(layer, "expert"):
+        reads = None  # the stage also makes the FC2 slot: in the region on every call (track_fc2_stage)
     inst.override(layer, "routed_experts_compute", tracked(pool, routed_experts_compute, reads))
 
 
@@ -361,34 +364,18 @@ def _checked_passthrough(inst: Installation, name: str, stage: Callable[..., Any
     return tracked(pool, checked)
 
 
-def experts_tracking(inst: Installation, fn: Callable[..., Any], fc2: deque[Held]) -> Callable[..., Any]:
-    """The experts' forward, tracked where it can save ring storage.
+def track_fc2_stage(inst: Installation, layer: Any) -> None:
+    """With the FC2 ring in use: ``layer.routed_experts_compute`` runs in the saved-tensor region on every call.
 
-    Production: only when it receives ring storage (the dispatch slot, read directly: a bf16 GEMM or
-    ``probs * hidden`` saves it). Debug: always, and a saved reference to an FC2 slot acquired
-    inside raises :class:`BackendContractError`: production relies on nothing after FC2 saving its
-    output (megatron-core 0.19.2: neither ``Fp8Unpadding`` nor the bias add does).
+    That stage makes the FC2 slot (the experts' forward) and hands it on (``combine_preprocess``); whatever
+    saves it in between (megatron's own code, a forward hook on the experts) is counted, so the release at
+    the combine waits for it (release by fact; the later combine stages are tracked when they receive a
+    slot, :func:`hook_fc2_release`). Where this layer's all-to-all dispatch hook wraps the stage it does so
+    on every call instead (:func:`_hook_dispatch`), so nothing is wrapped twice.
     """
-    pool = inst.pool
-    if not pool.debug:
-        return tracked(pool, fn, pool.views_ring_storage)
-
-    @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        before = len(fc2)
-        result = fn(*args, **kwargs)
-        for held in list(fc2)[before:]:
-            if pool.saved_references(held.name, held.tensor):
-                raise BackendContractError(
-                    "megatron-core",
-                    "experts forward",
-                    "saved the expert FC2 output for backward inside the experts",
-                    hint="production mode tracks only stages that receive a slot and would release it early; "
-                    "report this with the megatron-core version",
-                )
-        return result
-
-    return tracked(pool, checked)
+    if inst.hooks("alltoall", layer, "dispatch"):
+        return
+    inst.override(layer, "routed_experts_compute", tracked(inst.pool, inst.original(layer, "routed_experts_compute")))
 
 
 def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
@@ -429,7 +416,8 @@ def _hook_expert(inst: Installation, layer: Any, state: _LayerState) -> None:
         state.fc2.append(box.pop())
         return output, None
 
-    inst.override(experts, "forward", experts_tracking(inst, forward, state.fc2))
+    inst.override(experts, "forward", forward)
+    track_fc2_stage(inst, layer)
     hook_fc2_release(inst, layer, state.fc2)
 
 

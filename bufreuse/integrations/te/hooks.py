@@ -16,9 +16,10 @@ Serves the expert buffer of layers whose experts are megatron-core's ``TEGrouped
   ``Fp8Unpadding`` copies them out: the slot's last reader is then that copy inside the experts, and
   combine reads a fresh allocation (the ring replaces TE's padded FC2 output, not the combine input).
 
-Releases are by fact: the hooked stages that receive a slot run in ``pool.track_saved()`` and
-``Held.release`` waits for whatever they saved from it (see :mod:`bufreuse.integrations.alltoall.hooks`
-for which stages are tracked, and what debug mode adds). HybridEP: after ``token_combine``
+Releases are by fact: ``routed_experts_compute`` (where FC2 writes the slot) runs in ``pool.track_saved()``
+on every call (:func:`~bufreuse.integrations.alltoall.hooks.track_fc2_stage`), later hooked stages when they
+receive a slot, and ``Held.release`` waits for whatever they saved from it (see
+:mod:`bufreuse.integrations.alltoall.hooks`). HybridEP: after ``token_combine``
 (combine's forward is the last reader; under EP overlap it runs on the communication stream, where
 the release is recorded).
 All-to-all: after the first hooked combine stage whose output no longer aliases the slot (an experts'
@@ -159,7 +160,6 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
     """A ``TEGroupedMLP.forward`` that hands the op fuser a slot as ``output_buffer=``."""
     import torch
 
-    from bufreuse.integrations.alltoall.hooks import experts_tracking
     from bufreuse.integrations.te.out_route import output_alias
 
     pool, orig_forward = inst.pool, inst.original(experts, "forward")
@@ -195,7 +195,7 @@ def _fused_forward_into_slot(inst: Installation, experts: Any, cols: int, queue:
         queue.append(Held(pool=pool, name=EXPERT, tensor=slot))
         return output, bias
 
-    return experts_tracking(inst, forward, queue)
+    return forward
 
 
 def _cols(layer: Any) -> int:
@@ -213,15 +213,19 @@ def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
             held.popleft().release()  # combine's forward read it last, on the stream it ran on
         return out
 
+    from bufreuse.integrations.alltoall.hooks import track_fc2_stage
+
     inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
+    track_fc2_stage(inst, layer)
     inst.override(disp, "token_combine", tracked(pool, token_combine, pool.views_ring_storage))
 
 
 def _hook_fused_alltoall(inst: Installation, layer: Any) -> None:
-    from bufreuse.integrations.alltoall.hooks import hook_fc2_release
+    from bufreuse.integrations.alltoall.hooks import hook_fc2_release, track_fc2_stage
 
     queue: deque[Held] = deque()
     inst.override(layer.experts, "forward", _fused_forward_into_slot(inst, layer.experts, _cols(layer), queue))
+    track_fc2_stage(inst, layer)
     hook_fc2_release(inst, layer, queue)
 
 
@@ -229,12 +233,12 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     """``linear_fc2`` (TE ``GroupedLinear``) writes into a slot through ``out=``; see the module docstring.
 
     Per layer call the forward pays one shim frame (acquire, TE's forward with ``out=``, the storage
-    check) and the combine stages' release (:func:`~bufreuse.integrations.alltoall.hooks.hook_fc2_release`).
-    The experts' forward is wrapped only where it can receive ring storage (this layer's dispatch ring)
-    or in debug mode (which checks nothing after FC2 saves its output); an FC2 output the experts copy
-    (FP8 unpadding, a bias add) is released by the first hooked combine stage, whose output no longer views it.
+    check), ``routed_experts_compute``'s region (:func:`~bufreuse.integrations.alltoall.hooks.track_fc2_stage`)
+    and the combine stages' release (:func:`~bufreuse.integrations.alltoall.hooks.hook_fc2_release`). An FC2
+    output the experts copy (FP8 unpadding, a bias add) is released by the first hooked combine stage, whose
+    output no longer views it.
     """
-    from bufreuse.integrations.alltoall.hooks import experts_tracking, hook_fc2_release
+    from bufreuse.integrations.alltoall.hooks import hook_fc2_release, track_fc2_stage
     from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
 
     experts, pool = layer.experts, inst.pool
@@ -242,8 +246,7 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     queue: deque[Held] = deque()
     te_forward = inst.original(out_route_class(type(fc2)), "forward")  # check() refused a class without one
     route_into_ring(inst, fc2, Fc2Route(pool, EXPERT, int(fc2.out_features), queue, te_forward))
-    if pool.debug or inst.hooks("alltoall", layer, "dispatch"):  # a dispatch slot can reach the experts
-        inst.override(experts, "forward", experts_tracking(inst, inst.original(experts, "forward"), queue))
+    track_fc2_stage(inst, layer)
     hook_fc2_release(inst, layer, queue)
 
 
