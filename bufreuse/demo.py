@@ -131,6 +131,8 @@ def run_title(sweep: SweepDir, name: str) -> str:
         p = sweep.read_manifest().get("params") or {}
     except (OSError, ValueError, InputError):
         p = {}
+    if not isinstance(p, dict):
+        p = {}
     parts = [str(p["workload"])] if p.get("workload") else []
     if p.get("tokens") and p.get("hidden"):
         parts.append(f"{p['tokens']} tokens x {p['hidden']} hidden")
@@ -140,9 +142,11 @@ def run_title(sweep: SweepDir, name: str) -> str:
         parts.append(str(p["dtype"]))
     for cid in sweep.config_ids():
         m = sweep.paths(cid).read_metrics()
-        env = m.get("env") if isinstance(m, dict) else None
+        env = m.get("env") if isinstance(m, dict) and m.get("status") == "ok" else None  # refused runs: not named
         if isinstance(env, dict) and env.get("gpu"):
-            parts.append(str(env["gpu"]) + (f" x{env['world_size']}" if (env.get("world_size") or 1) > 1 else ""))
+            ranks = env.get("world_size")
+            many = isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 1
+            parts.append(str(env["gpu"]) + (f" x{ranks}" if many else ""))
             break
     return f"{name}: {', '.join(parts)}" if parts else name
 
@@ -194,7 +198,7 @@ def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str],
     ok = [r for r in rows if r.status == "ok"]
     control = next((r for r in ok if r.mode == "control"), None)
     for r in ok:
-        if r is control or control is None or r.max_reserved_bytes is None or control.max_reserved_bytes is None:
+        if r is control or control is None or r.max_reserved_bytes is None or not control.max_reserved_bytes:
             continue
         step = f", step {r.step_delta_pct:+.1f}%" if r.step_delta_pct is not None else ""
         summary.append(

@@ -17,6 +17,7 @@ This module imports no torch: ``analysis`` and ``cli`` read sweeps without a GPU
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -72,12 +73,35 @@ _SIZE_FIELDS = ("max_reserved_bytes", "max_allocated_bytes", "device_used_bytes"
 _STEP_FIELDS = ("median", "mean", "p10", "p90", "min", "max")
 
 
+_MAX_SLOTS = 1 << 20  # far above any ring (limits.max_ring_slots is 1024): a figure, not a measurement, past it
+
+
 def metrics_problem(m: dict[str, Any]) -> str | None:
     """What makes ``m``'s figures no measurement (a size that is negative, NaN or not a whole number,
-    a negative or non-finite step time or TFLOP/s); None when every figure is absent or plausible."""
+    a negative or non-finite step time or TFLOP/s, step statistics out of order, ``error`` not text, a
+    slot count or world size not a whole number); None when every figure is absent or plausible. A
+    field of the wrong shape (``env`` a string, say) is the reader's error: it names the field."""
 
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    def whole(v: Any, top: int) -> bool:
+        return number(v) and float(v).is_integer() and v <= top
+
+    if m.get("error") is not None and not isinstance(m["error"], str):
+        return f"error is {_shown(m['error'])}, not text"
+    config, env = (m.get(k) if isinstance(m.get(k), dict) else {} for k in ("config", "env"))  # other shapes: the
+    slots = config.get("slots")  # reader's error, naming the field
+    if slots is not None and not whole(slots, _MAX_SLOTS):
+        return f"config.slots is {_shown(slots)}, not a slot count (a whole number 0..{_MAX_SLOTS:,})"
+    for key in ("world_size", "rank"):
+        v = env.get(key)
+        if v is not None and not whole(v, 1 << 31):
+            return f"env.{key} is {_shown(v)}, not a whole number >= 0"
+    check = m.get("checksum")  # the output's digest: a hex string, or a number in older files
+    finite = isinstance(check, (int, float)) and not isinstance(check, bool) and math.isfinite(check)
+    if check is not None and not (isinstance(check, str) or finite):
+        return f"checksum is {_shown(check)}, not a digest (text) or a finite number"
 
     for key in _SIZE_FIELDS:
         v = m.get(key)
@@ -92,6 +116,10 @@ def metrics_problem(m: dict[str, Any]) -> str | None:
         for key in _STEP_FIELDS:
             if step.get(key) is not None and not number(step[key]):
                 return f"step_ms.{key} is {_shown(step[key])}, not a time in ms >= 0"
+        present = [(k, step[k]) for k in ("min", "p10", "median", "p90", "max") if step.get(k) is not None]
+        for (k1, v1), (k2, v2) in itertools.pairwise(present):
+            if v1 > v2:
+                return f"step_ms.{k1} ({_shown(v1)}) is above step_ms.{k2} ({_shown(v2)}): not statistics of one sample"
         values = step.get("values")
         if isinstance(values, list) and not all(number(v) for v in values):
             return "step_ms.values is not a list of times in ms >= 0"
@@ -269,9 +297,12 @@ def latest_sweep(root: str | os.PathLike[str] | None = None) -> SweepDir:
             if not sweep.exists():
                 continue
             try:
-                created = str(json.loads(sweep.manifest_path.read_text()).get("created_at", ""))
+                manifest = json.loads(sweep.manifest_path.read_text())
             except (OSError, ValueError):
                 continue
+            if not isinstance(manifest, dict):
+                continue  # no sweep's manifest: a JSON list or number (read_manifest names it if asked for)
+            created = str(manifest.get("created_at", ""))
             key = f"{created}|{child.name}"
             if best is None or key > best[0]:
                 best = (key, sweep)
