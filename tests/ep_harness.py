@@ -169,10 +169,14 @@ def cpu_cases(ep: int, etp: int, *, full: bool = False) -> list[Case]:
 
 def break_cases() -> list[Case]:
     """EP = 2, one local expert (FC1 saves the dispatch slot): the release rule broken at the planned depth and at
-    a shallow one, the same shallow depth unbroken (the ring must refuse), and the unbroken twin."""
+    a shallow one, the same shallow depth unbroken (the ring must refuse), and the unbroken twin; dropless with the
+    ``empty`` routing (a rank receives nothing in every other microbatch: empty acquisitions, released at the
+    forward), broken and unbroken."""
     return [
         Case(name="unbroken-1f1b", experts=2, topk=1),
         Case(name="broken-1f1b", experts=2, topk=1, expect="broken"),
+        Case(name="unbroken-dropless-empty-1f1b", experts=2, topk=1, dropless=True, routing="empty"),
+        Case(name="broken-dropless-empty-1f1b", experts=2, topk=1, dropless=True, routing="empty", expect="broken"),
         Case(name="broken-shallow-fwd_bwd", experts=2, topk=1, order="fwd_bwd", slots=2, expect="broken"),
         Case(name="unbroken-shallow-fwd_bwd", experts=2, topk=1, order="fwd_bwd", slots=2, expect="early-reuse:3"),
     ]

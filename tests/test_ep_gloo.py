@@ -123,6 +123,19 @@ def test_broken_release_rule_goes_red(worlds) -> None:
         assert not [p for p in rep["problems"] if "/debug]" in p]  # the debug guard still counts the save
     assert _deferred(broken, "production") == [0, 0] and _deferred(broken, "debug") == [MICROBATCHES] * 2
 
+    # dropless: half the acquisitions are empty (never deferred), the rest saved by FC1; the release check is exact
+    # over the non-empty ones, so the broken rule's 0 deferrals go red there too
+    assert res.failure("unbroken-dropless-empty-1f1b") is None
+    half = MICROBATCHES // 2
+    unbroken = res.by_case["unbroken-dropless-empty-1f1b"]
+    assert [r["info"]["dispatch_rows"].count(0) for r in unbroken] == [half] * 2  # positive control: empties happen
+    assert _deferred(unbroken, "production") == [half] * 2
+    for rep in res.by_case["broken-dropless-empty-1f1b"]:
+        prod = [p for p in rep["problems"] if "/production]" in p]
+        assert any("release check" in p and f"observed 0 of {MICROBATCHES}" in p and f"predicts {half}" in p
+                   for p in prod), prod  # fmt: skip
+        assert not [p for p in rep["problems"] if "/debug]" in p]
+
     for rep in res.by_case["broken-shallow-fwd_bwd"]:
         prod = [p for p in rep["problems"] if "/production]" in p]
         assert any("param grad" in p and "linear_fc1" in p for p in prod), prod  # overwritten before its backward
@@ -150,21 +163,21 @@ def test_install_hooks_no_ring_at_ep1_with_the_same_knobs(parallel) -> None:
             assert "forward" not in vars(layer.experts)
 
 
-def test_dispatch_rule_is_data_dependent_where_a_rank_can_receive_nothing() -> None:
-    """At EP > 1 without pad-to-capacity a rank's dispatch can be empty and is then released at the forward: the
-    planner's backward (or wgrad) rule is an upper bound there, exact with padding and at EP = 1."""
+def test_dispatch_rule_names_empty_dispatches_and_stays_exact() -> None:
+    """At EP > 1 without pad-to-capacity a rank's dispatch can be empty and is then released at the forward: the rule
+    says so, and stays exact (not ``data_dependent``: release_check leaves the pool's empty acquisitions out)."""
     base = dict(moe_token_dispatcher_type="alltoall", num_moe_experts=2, expert_model_parallel_size=2)
     dropless = release_rule(dict(base, moe_pad_expert_input_to_capacity=False), "dispatch")
-    assert dropless.point is ReleasePoint.BACKWARD and dropless.data_dependent
+    assert dropless.point is ReleasePoint.BACKWARD and not dropless.data_dependent
     assert "receives no tokens" in dropless.reason and "moe_pad_expert_input_to_capacity" in dropless.fields
     wgrad = release_rule(dict(base, delay_wgrad_compute=True), "dispatch")
-    assert wgrad.point is ReleasePoint.WGRAD and wgrad.data_dependent
+    assert wgrad.point is ReleasePoint.WGRAD and not wgrad.data_dependent and "receives no tokens" in wgrad.reason
     padded = release_rule(dict(base, moe_pad_expert_input_to_capacity=True), "dispatch")
-    assert padded.point is ReleasePoint.BACKWARD and not padded.data_dependent
+    assert padded.point is ReleasePoint.BACKWARD and "receives no tokens" not in padded.reason
     ep1 = release_rule(dict(base, num_moe_experts=1, expert_model_parallel_size=1), "dispatch")
-    assert ep1.point is ReleasePoint.BACKWARD and not ep1.data_dependent
+    assert ep1.point is ReleasePoint.BACKWARD and "receives no tokens" not in ep1.reason
     sorted_copy = release_rule(dict(base, num_moe_experts=4), "dispatch")  # two local experts: the sort copies
-    assert sorted_copy.point is ReleasePoint.FORWARD and not sorted_copy.data_dependent
+    assert sorted_copy.point is ReleasePoint.FORWARD and "receives no tokens" not in sorted_copy.reason
     assert not release_rule(dict(base), "expert").data_dependent
 
 

@@ -160,3 +160,42 @@ def test_pack_counts_views_of_held_slots_and_passes_everything_else(strict: bool
             pack(stale)
     else:
         assert pack(stale) is stale
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+def test_empty_acquisitions_are_counted_and_never_deferred(debug: bool) -> None:
+    """A zero-row acquisition (an all-to-all that sent this rank nothing) is counted in ``empty_acquisitions`` (ring,
+    fallback allocation, allocator policy); a save of it inside the region is not counted (torch gives a zero-element
+    tensor a null data pointer), so its release is never deferred and backward reads it after the slot was reused.
+    Positive control: a one-row acquisition saved the same way is deferred."""
+    pool = BufferPool("cpu", debug=debug)
+    pool.register("r", policy="ring", num_slots=2, max_shape=(4, 3), dtype=torch.float32)
+    w = torch.ones(3, requires_grad=True)
+    outs = []
+    for rows in (0, 1, 0):
+        slot = pool.acquire("r", (rows, 3)).fill_(2.0)
+        with pool.track_saved():
+            outs.append((slot * w).sum())  # saves the slot for w's gradient
+        released = pool.get("r").release_when_unsaved(slot)
+        assert released is (rows == 0), rows
+    assert pool.get("r").held == 1  # the one-row acquisition, deferred
+    for _ in range(2):  # the empties' slot is handed out again (and overwritten) before their backward
+        pool.release("r", pool.acquire("r", (4, 3)).fill_(9.0))
+    for y in outs:
+        y.backward()
+    s = pool.stats()["r"]
+    assert (s.acquisitions, s.empty_acquisitions, s.deferred_releases) == (5, 2, 1)
+    assert pool.get("r").held == 0 and torch.equal(w.grad, torch.full((3,), 2.0))  # the saved row, not a 9
+    other = BufferPool("cpu", debug=debug)
+    other.register("f", policy="ring", num_slots=1, max_shape=(4, 3), dtype=torch.float32, on_exhausted="allocate")
+    held = other.acquire("f", (2, 3))
+    with pytest.warns(RuntimeWarning, match="caching allocator"):
+        fallback = other.acquire("f", (0, 3))  # every slot held: the caching allocator serves it
+    other.release("f", fallback)
+    other.release("f", held)
+    other.register("a", policy="stream-ordered", max_shape=(4, 3), dtype=torch.float32)
+    other.release("a", other.acquire("a", (0, 3)))
+    other.release("a", other.acquire("a", (4, 3)))
+    stats = other.stats()
+    assert (stats["f"].acquisitions, stats["f"].empty_acquisitions) == (2, 1)
+    assert (stats["a"].acquisitions, stats["a"].empty_acquisitions) == (2, 1)

@@ -229,13 +229,16 @@ class ReleaseDisagreement:
     acquisitions: int
     deferred: int
     expected_deferred: int
+    empty: int = 0
+    """Acquisitions of zero rows among ``acquisitions`` (never deferred; ``RingStats.empty_acquisitions``)."""
 
     def __str__(self) -> str:
         r = self.rule
+        empty = f" ({self.empty} empty, never deferred)" if self.empty else ""
         return (
             f"bufreuse: ring '{self.ring}' released against its rule: rule says release at {r.point.value}"
             f"{' (MoE recompute)' if r.recompute else ''} ({r.reason}); observed {self.deferred} of "
-            f"{self.acquisitions} acquisition(s) deferred past the forward, the rule predicts "
+            f"{self.acquisitions} acquisition(s){empty} deferred past the forward, the rule predicts "
             f"{self.expected_deferred}. {self._consequence()}"
         )
 
@@ -626,9 +629,10 @@ class Installation:
         """The ring-policy rings whose observed deferred releases contradict the rule.
 
         Call it at a step boundary (every acquisition released); a ring with acquisitions still held,
-        none yet, or layers of different rules is not judged. Forward rule: no release deferred past
-        the forward; backward / wgrad: every one (the recomputed half under MoE recompute), or at most
-        that many when the rule is ``data_dependent``.
+        none yet, or layers of different rules is not judged. Empty (zero-row) acquisitions are never
+        deferred (``RingStats.empty_acquisitions``) and are left out; of the rest, forward rule: no release
+        deferred past the forward; backward / wgrad: every one (the recomputed half under MoE recompute),
+        exactly, or at most that many when the rule is ``data_dependent``.
         """
         out = []
         stats = self.pool.stats()
@@ -638,10 +642,12 @@ class Installation:
             s = stats[name]
             if s.acquisitions == 0 or self.pool.get(name).held:
                 continue
-            want = expected_deferred(rule, s.acquisitions)
+            want = expected_deferred(rule, s.acquisitions - s.empty_acquisitions)
             # A data-dependent rule is an upper bound: fewer deferrals (an earlier copy) agree with it.
             if s.deferred_releases > want or (s.deferred_releases != want and not rule.data_dependent):
-                out.append(ReleaseDisagreement(name, rule, s.acquisitions, s.deferred_releases, want))
+                out.append(
+                    ReleaseDisagreement(name, rule, s.acquisitions, s.deferred_releases, want, s.empty_acquisitions)
+                )
         return out
 
     def warn_release_disagreements(self) -> list[ReleaseDisagreement]:

@@ -411,10 +411,11 @@ def release_rule(cfg: Any, buffer: str, *, path: str | None = None) -> ReleaseRu
     if data_dependent:
         point = ReleasePoint.BACKWARD
     elif buffer == "dispatch" and point in _SAVED and _may_receive_nothing(cfg, path):
-        data_dependent = True
+        # exact all the same: the pool counts the empty acquisitions (RingStats.empty_acquisitions), which
+        # release_check leaves out
         reason += (
             "; without pad-to-capacity at EP > 1 a rank that receives no tokens gets an empty slot, which nothing "
-            "saves: released at the forward"
+            "saves: released at the forward (an empty acquisition)"
         )
         fields = (*fields, "expert_model_parallel_size", "moe_pad_expert_input_to_capacity")
     recompute = moe_recompute(cfg) and point is not ReleasePoint.REFUSED

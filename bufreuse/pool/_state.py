@@ -45,6 +45,10 @@ class RingStats:
 
     acquisitions: int = 0
     """Successful ``acquire`` calls (fallback allocations included)."""
+    empty_acquisitions: int = 0
+    """Of those, the ones of zero rows (an all-to-all that sent this rank no token). torch gives a zero-element
+    tensor a null data pointer (pinned upstream, pytorch#101426), so no saved-tensor region counts a save of one
+    and its release is never deferred: what a release check subtracts before comparing deferrals with a rule."""
     releases: int = 0
     """Releases carried out (immediate and deferred ones, fallback tensors included)."""
     gpu_waits: int = 0

@@ -64,6 +64,7 @@ class AllocatingBuffer:
         self._released: dict[int, weakref.ref] = {}
         self._phase = Phase.EAGER
         self._acquisitions = 0
+        self._empty = 0  # zero-row acquisitions
         self._releases = 0
         self._gpu_waits = 0
         self._peak_held = 0
@@ -98,6 +99,8 @@ class AllocatingBuffer:
             tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._live[id(tensor)] = (tensor, stream)
         self._acquisitions += 1
+        if not tensor.shape[0]:
+            self._empty += 1
         if len(self._live) > self._peak_held:
             self._peak_held = len(self._live)
         return tensor
@@ -169,6 +172,7 @@ class AllocatingBuffer:
     def stats(self) -> RingStats:
         return RingStats(
             acquisitions=self._acquisitions,
+            empty_acquisitions=self._empty,
             releases=self._releases,
             gpu_waits=self._gpu_waits,
             peak_held=self._peak_held,

@@ -161,6 +161,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         self._deferred_waits = 0
         self._phase = Phase.EAGER
         self._acquisitions = 0
+        self._empty = 0  # zero-row acquisitions
         self._releases = 0
         self._gpu_waits = 0
         self._peak_held = 0
@@ -215,7 +216,11 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             if slot is None:
                 return self._fallback_acquire(shape, stream)
         # A fresh TensorImpl sharing only this slot's version counter: detach() of its base.
-        view = slot.base.detach() if shape is None or shape == self.max_shape else slot.base[: self._rows(shape)]
+        if shape is None or shape == self.max_shape:
+            view, rows = slot.base.detach(), -1
+        else:
+            rows = self._rows(shape)
+            view = slot.base[:rows]
         if self._cuda:
             if stream is None:
                 stream = self._ops.current_stream()
@@ -245,6 +250,8 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
             tags[key] = (weakref.ref(view, lambda _r, _k=key, _t=tags: _t.pop(_k, None)), self._generation)
         self._cursor = slot.index + 1 if slot.index + 1 < self.num_slots else 0
         self._acquisitions += 1
+        if not rows:
+            self._empty += 1
         self._held += 1
         held = self._held - self._deferred_freed
         if self._fallback:
@@ -394,6 +401,7 @@ class BufferRing(SavedRefCounting, RingCapacity, RingLifecycle):
         """A snapshot of this ring's counters."""
         return RingStats(
             acquisitions=self._acquisitions,
+            empty_acquisitions=self._empty,
             releases=self._releases + self._deferred_freed,
             gpu_waits=self._gpu_waits + self._deferred_waits,
             peak_held=self._peak_held,

@@ -56,6 +56,7 @@ class RingCapacity:
     _fallback_done: weakref.WeakValueDictionary
     _fallbacks: int
     _acquisitions: int
+    _empty: int
     _releases: int
     _peak_held: int
     _warned: bool
@@ -137,6 +138,8 @@ class RingCapacity:
         self._fallback[id(tensor)] = (tensor, stream)
         self._fallbacks += 1
         self._acquisitions += 1
+        if not size[0]:
+            self._empty += 1
         held = self._held - self._deferred_freed + len(self._fallback)
         if held > self._peak_held:
             self._peak_held = held
