@@ -26,6 +26,7 @@ __all__ = [
     "POLICIES",
     "BufReuseConfig",
     "BufferBound",
+    "TorchAssumption",
     "add_arguments",
     "check_field_types",
     "dispatch_path",
@@ -39,6 +40,7 @@ __all__ = [
     "single_rank_expert",
     "static_bounds",
     "tokens_per_microbatch",
+    "torch_assumption",
     "unused_rings",
 ]
 
@@ -535,6 +537,67 @@ def expert_tp(cfg: Any) -> int:
     return int(_get(cfg, "expert_tensor_parallel_size", None) or _get(cfg, "tensor_model_parallel_size", 1) or 1)
 
 
+@dataclass(frozen=True, slots=True)
+class TorchAssumption:
+    """The torch version the EP >= 2 stream rule judges a config by, and where that version came from.
+
+    ``bufreuse plan`` / ``check-config`` / ``advise`` run where the config is read, not where it trains:
+    ``source`` is ``installed`` (this environment's torch), ``option`` (``--torch-version``) or ``assumed``
+    (no torch here and no option: 2.8 or later, ``version`` None).
+    """
+
+    version: str | None
+    source: str
+
+    def records_streams(self, env: Mapping[str, str] | None = None) -> bool:
+        """:func:`nccl_records_streams` for this version (an assumed >= 2.8: False)."""
+        return self.version is not None and nccl_records_streams(self.version, env)
+
+    def text(self, env: Mapping[str, str] | None = None) -> str:
+        """``judged for torch X (source)``, naming ``TORCH_NCCL_AVOID_RECORD_STREAMS`` where it decided."""
+        if self.version is None:
+            return "judged for torch >= 2.8 (assumed: no torch installed here; pass --torch-version)"
+        how = {"installed": "installed here", "option": "--torch-version"}.get(self.source, self.source)
+        out = f"judged for torch {self.version} ({how})"
+        if nccl_records_streams(self.version, {}) and not nccl_records_streams(self.version, env):
+            out += " with TORCH_NCCL_AVOID_RECORD_STREAMS set (environment)"
+        return out
+
+
+def torch_assumption(version: str | None = None) -> TorchAssumption:
+    """The torch version to judge by: ``version`` (``--torch-version``), else the installed one, else assumed.
+
+    Reads the installed distribution's metadata (no torch import).
+
+    Raises:
+        InputError: ``version`` is not a version (``MAJOR.MINOR[...]``).
+    """
+    if version is not None:
+        if _torch_minor(version) is None:
+            raise InputError(f"--torch-version {version!r}: expected a torch version such as 2.7.1 or 2.8.0a0")
+        return TorchAssumption(version.strip(), "option")
+    installed = _installed_torch()
+    return TorchAssumption(installed, "installed") if installed is not None else TorchAssumption(None, "assumed")
+
+
+def _installed_torch() -> str | None:
+    """The installed torch distribution's version (metadata, no import), None when there is none."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _torch_minor(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a torch version string; None when it does not start ``MAJOR.MINOR``."""
+    import re
+
+    m = re.match(r"\s*(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def nccl_records_streams(torch_version: str | None = None, env: Mapping[str, str] | None = None) -> bool:
     """Whether ProcessGroupNCCL runs a collective on its own stream and records the tensors there (``recordStream``).
 
@@ -546,18 +609,11 @@ def nccl_records_streams(torch_version: str | None = None, env: Mapping[str, str
     """
     env = os.environ if env is None else env
     if torch_version is None:
-        from importlib import metadata
-
-        try:
-            torch_version = metadata.version("torch")
-        except metadata.PackageNotFoundError:
+        torch_version = _installed_torch()
+        if torch_version is None:
             return False
-    parts = []
-    for piece in torch_version.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    major, minor = [*parts, 0, 0][:2]
-    if (major, minor) >= (2, 8):
+    minor = _torch_minor(torch_version)
+    if minor is None or minor >= (2, 8):
         return False
     return str(env.get("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")).strip().lower() not in ("1", "true", "yes")
 
@@ -626,7 +682,12 @@ def _how(backend: str) -> str:
 
 
 def unused_rings(
-    cfg: Any, knobs: BufReuseConfig, path: str | None, *, records_streams: bool | None = None
+    cfg: Any,
+    knobs: BufReuseConfig,
+    path: str | None,
+    *,
+    records_streams: bool | None = None,
+    torch_version: TorchAssumption | None = None,
 ) -> dict[str, str]:
     """``{buffer key: why}`` for the enabled buffers ``install()`` leaves alone because they replace nothing.
 
@@ -634,7 +695,10 @@ def unused_rings(
     identity, at EP x ETP = 1 the FC2 output never leaves one stream, and at EP x ETP > 1 on the all-to-all path
     :func:`pending_free_at_ep` says where nothing waits pending-free. The validation knobs
     (``moe_bufreuse_ring_identity_dispatch``, ``moe_bufreuse_ring_single_rank_expert``,
-    ``moe_bufreuse_keep_unused_rings``) keep a ring in use.
+    ``moe_bufreuse_keep_unused_rings``) keep a ring in use. On NCCL the EP >= 2 rule depends on the torch
+    version (:func:`nccl_records_streams`): ``records_streams`` decides it outright; else it is judged for
+    ``torch_version`` (default: :func:`torch_assumption`, the installed torch), and each reason it gives ends
+    with the version judged for and where it came from.
     """
     enabled = knobs.enabled()
     out = {}
@@ -644,27 +708,33 @@ def unused_rings(
         out["expert"] = "EP x ETP = 1: the FC2 output is made and read on one stream, nothing pending-free to replace"
     if path == "alltoall" and not knobs.moe_bufreuse_keep_unused_rings:
         ep = int(_get(cfg, "expert_model_parallel_size", 1) or 1)
+        judged = None
+        if records_streams is None and str(_get(cfg, "distributed_backend", "nccl") or "nccl").lower() == "nccl":
+            judged = torch_version if torch_version is not None else torch_assumption()
+            records_streams = judged.records_streams()
         for buf in enabled:
             if buf in out or (buf == "dispatch" and ep == 1) or (buf == "expert" and ep * expert_tp(cfg) == 1):
                 continue
             why = pending_free_at_ep(cfg, buf, records_streams=records_streams)
             if why is not None:
-                out[buf] = why
+                out[buf] = why if judged is None else f"{why}; {judged.text()}"
     return out
 
 
-def static_bounds(cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None) -> dict[str, BufferBound]:
+def static_bounds(
+    cfg: Any, knobs: BufReuseConfig, *, path: str, tokens: int | None, torch_version: TorchAssumption | None = None
+) -> dict[str, BufferBound]:
     """Bounds and persistent bytes per enabled buffer (slots x rows x hidden x element size).
 
-    An enabled buffer that replaces nothing (:func:`unused_rings`) is listed with its bound but 0 slots:
-    ``install()`` registers no ring for it.
+    An enabled buffer that replaces nothing (:func:`unused_rings`, judged for ``torch_version``) is listed with
+    its bound but 0 slots: ``install()`` registers no ring for it.
     """
     if tokens is None:
         return {}
     hidden = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0) or 0)
     rows, source = dispatch_rows(cfg, path, tokens)
     etp = expert_tp(cfg)
-    unused = unused_rings(cfg, knobs, path)
+    unused = unused_rings(cfg, knobs, path, torch_version=torch_version)
     out = {}
     for buf in knobs.enabled():
         r, src = (rows, source) if buf == "dispatch" else (rows * etp, source)

@@ -30,7 +30,7 @@ from bufreuse.analysis.snapshot.report import ReportConfig, analyze
 from bufreuse.analysis.snapshot.sites import BEFORE_TRACE_SITE, NO_FRAMES_SITE
 from bufreuse.analysis.snapshot.unpickle import load_pickle_file
 from bufreuse.analysis.snapshot.whatif import what_if_data
-from bufreuse.config import BUFFERS, BufReuseConfig, dispatch_path, unused_rings
+from bufreuse.config import BUFFERS, BufReuseConfig, TorchAssumption, dispatch_path, unused_rings
 from bufreuse.errors import InputError
 
 __all__ = ["CATEGORY_BUFFER", "Advice", "advise", "ring_flags"]
@@ -115,6 +115,7 @@ def advise(
     fields: Mapping[str, Any] | None = None,
     check: Mapping[str, Any] | None = None,
     num_microbatches: int | None = None,
+    torch_version: TorchAssumption | None = None,
 ) -> Advice:
     """Join report, planner, what-if and check-config for one control snapshot (module docstring).
 
@@ -123,6 +124,7 @@ def advise(
         fields: flat Megatron fields of the run (``check_file.megatron_fields``), or None.
         check: ``CheckReport.to_dict()`` of the same config (``--assume-enabled``), or None.
         num_microbatches: overrides the config's microbatch count for the planner.
+        torch_version: what the EP >= 2 stream rule judges by (default: the installed torch).
 
     Raises:
         SnapshotFormatError: the file is unreadable or malformed.
@@ -133,7 +135,7 @@ def advise(
         raw = load_pickle_file(path)
         data = normalise(raw, path=str(path))
         report, _ = analyze(data, ReportConfig(pending_series_points=0))
-        return _join(data, raw, report, fields, check, num_microbatches)
+        return _join(data, raw, report, fields, check, num_microbatches, torch_version)
     finally:
         if was:
             gc.enable()
@@ -146,6 +148,7 @@ def _join(
     fields: Mapping[str, Any] | None,
     check: Mapping[str, Any] | None,
     num_microbatches: int | None,
+    torch_version: TorchAssumption | None = None,
 ) -> Advice:
     moe = [
         {k: g[k] for k in ("category", "site", "count", "size_bytes", "total_bytes", "stream")}
@@ -176,11 +179,11 @@ def _join(
             for r in check.get("requirements", [])
             if not r["ok"] and (not wanted or r["buffer"] in wanted)
         ]
-    unused = _unused(fields, wanted) if fields is not None else {}
+    unused = _unused(fields, wanted, torch_version=torch_version) if fields is not None else {}
     if unused and fields is not None:
         # The trace measured MoE pending-free where the EP >= 2 stream rule expects none (a torch before 2.8 whose
         # NCCL records streams, say): the measurement wins; plan as with --moe-bufreuse-keep-unused-rings.
-        structural = _unused(fields, wanted, keep=True)
+        structural = _unused(fields, wanted, keep=True, torch_version=torch_version)
         contradicted = {b: why for b, why in unused.items() if b in wanted and b not in structural}
         if contradicted:
             for b, why in contradicted.items():
@@ -209,7 +212,7 @@ def _join(
         )
         return adv
     if fields is not None:
-        _planner_depth(adv, fields, wanted, num_microbatches)
+        _planner_depth(adv, fields, wanted, num_microbatches, torch_version)
     if data.traces:
         _predict(adv, data, raw, wanted)
     elif not adv.depth:
@@ -221,11 +224,17 @@ def _join(
     return adv
 
 
-def _planner_depth(adv: Advice, fields: Mapping[str, Any], wanted: list[str], num_microbatches: int | None) -> None:
+def _planner_depth(
+    adv: Advice,
+    fields: Mapping[str, Any],
+    wanted: list[str],
+    num_microbatches: int | None,
+    torch_version: TorchAssumption | None,
+) -> None:
     from bufreuse.plan import plan_config
 
     try:
-        plan = plan_config(fields, num_microbatches=num_microbatches, assume_enabled=True)
+        plan = plan_config(fields, num_microbatches=num_microbatches, assume_enabled=True, torch_version=torch_version)
     except InputError as e:
         adv.depth_notes.append(f"planner: {e}")
         return
@@ -339,7 +348,9 @@ def _frameless_text(groups: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def _unused(fields: Mapping[str, Any], wanted: list[str], *, keep: bool = False) -> dict[str, str]:
+def _unused(
+    fields: Mapping[str, Any], wanted: list[str], *, keep: bool = False, torch_version: TorchAssumption | None = None
+) -> dict[str, str]:
     """``{buffer key: why}`` for the wanted buffers the config leaves unused, with their rings assumed on.
 
     ``keep`` takes out the EP >= 2 stream rule (``moe_bufreuse_keep_unused_rings``): what remains are the EP = 1
@@ -350,4 +361,4 @@ def _unused(fields: Mapping[str, Any], wanted: list[str], *, keep: bool = False)
         moe_hybridep_num_expert_output_buffers=1 if "expert" in wanted else 0,
         moe_bufreuse_keep_unused_rings=keep,
     )
-    return unused_rings(fields, knobs, dispatch_path(fields))
+    return unused_rings(fields, knobs, dispatch_path(fields), torch_version=torch_version)

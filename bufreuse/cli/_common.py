@@ -206,6 +206,15 @@ def json_option(what: str = "the result") -> Any:
     return typer.Option("--json", help=f"Print {what} as JSON instead of a table.")
 
 
+def torch_version_option() -> Any:
+    """``--torch-version``: the torch the training run uses, for the EP >= 2 stream rule (default: installed)."""
+    return typer.Option(
+        "--torch-version",
+        help="The training run's torch version (e.g. 2.7.1): NCCL before 2.8 records streams, so the EP >= 2 "
+        "rule keeps rings it otherwise leaves unused. Default: the torch installed here (none: >= 2.8 assumed).",
+    )
+
+
 def root_option(purpose: str = "Folder of sweeps") -> Any:
     """The ``--root`` option: where sweeps live (``bufreuse.sweepdir.sweeps_root`` resolves None)."""
     return typer.Option(help=f"{purpose} (default $BUFREUSE_SWEEPS or ./bufreuse-sweeps).")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors, json_option
+from bufreuse.cli._common import console, handle_errors, json_option, torch_version_option
 
 __all__ = ["register"]
 
@@ -21,11 +21,14 @@ def advise(
         int | None, typer.Option(min=1, help="Microbatches per iteration, for the planner (else from the file).")
     ] = None,
     json_out: Annotated[bool, json_option("the advice")] = False,
+    torch_version: Annotated[str | None, torch_version_option()] = None,
 ) -> None:
     """One screen: MoE pending-free sites, required slot depth, predicted memory, unmet checks, flags to add."""
     from bufreuse.analysis.advise import advise as run
+    from bufreuse.config import torch_assumption
     from bufreuse.errors import InputError
 
+    judged = torch_assumption(torch_version)
     if config is not None and args is not None:
         raise InputError("pass --config or --args, not both")
     file = config or args
@@ -35,8 +38,8 @@ def advise(
         from bufreuse.integrations.check_file import check_file, megatron_fields
 
         fields = megatron_fields(load_megatron_file(file))
-        check = check_file(file, assume_enabled=True).to_dict()
-    result = run(snapshot, fields=fields, check=check, num_microbatches=num_microbatches)
+        check = check_file(file, assume_enabled=True, torch_version=judged).to_dict()
+    result = run(snapshot, fields=fields, check=check, num_microbatches=num_microbatches, torch_version=judged)
     if json_out:
         from bufreuse.analysis.render.export import json_text
         typer.echo(json_text(result.to_json()))

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors, warn_unknown_flags
+from bufreuse.cli._common import console, handle_errors, torch_version_option, warn_unknown_flags
 from bufreuse.cli._validate import dim
 
 __all__ = ["register"]
@@ -33,12 +33,21 @@ def check_config(
             min=1, callback=dim, help="Micro-batch size for sizing the slots; overrides the file's micro_batch_size."
         ),
     ] = None,
+    torch_version: Annotated[str | None, torch_version_option()] = None,
 ) -> None:
     """Check every requirement of the enabled buffers; exit 1 if the feature cannot be enabled, 2 on bad input."""
+    from bufreuse.config import torch_assumption
     from bufreuse.integrations.check_file import check_file
 
+    judged = torch_assumption(torch_version)
     warn_unknown_flags(file)
-    report = check_file(file, assume_enabled=assume_enabled, seq_length=seq_length, micro_batch_size=micro_batch_size)
+    report = check_file(
+        file,
+        assume_enabled=assume_enabled,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        torch_version=judged,
+    )
     data = report.to_dict()
     if not data["enabled"]:
         data["ok"] = False

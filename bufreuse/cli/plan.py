@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from bufreuse.cli._common import console, handle_errors, json_option, unknown_flags_text
+from bufreuse.cli._common import console, handle_errors, json_option, torch_version_option, unknown_flags_text
 from bufreuse.errors import CheckFailedError, InputError
 
 __all__ = ["planned_minimum", "register"]
@@ -64,10 +64,13 @@ def plan(
     lag_steps: Annotated[
         int, typer.Option(min=1, help="Control model: schedule steps the GPU trails the host by.")
     ] = 2,
+    torch_version: Annotated[str | None, torch_version_option()] = None,
 ) -> None:
     """Plan every ring: minimum slots, memory, the control's pending-free; exit 1 if a ring is too small."""
+    from bufreuse.config import torch_assumption
     from bufreuse.plan import plan_config
 
+    judged = torch_assumption(torch_version)
     fields = _fields(file)
     if unknown := unknown_flags_text(file):  # Megatron would not start this run: nothing to plan
         raise InputError(f"{unknown}; fix or remove them to plan this run")
@@ -86,6 +89,7 @@ def plan(
         layers_per_chunk=moe_layers_per_chunk,
         lag_steps=lag_steps,
         assume_enabled=assume_enabled,
+        torch_version=judged,
     )
     if not report.buffers:
         raise InputError(

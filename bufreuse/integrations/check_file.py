@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bufreuse.config import BufReuseConfig, load_megatron_file
+from bufreuse.config import BufReuseConfig, TorchAssumption, load_megatron_file
 from bufreuse.errors import InputError
 from bufreuse.integrations.features import Features
 from bufreuse.integrations.requirements import CheckReport, check
@@ -46,6 +46,7 @@ def check_file(
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
     features: Features | None = None,
+    torch_version: TorchAssumption | None = None,
 ) -> CheckReport:
     """Load ``path`` and evaluate the requirement matrix for the buffers it enables.
 
@@ -70,4 +71,5 @@ def check_file(
         seq_length=seq_length if seq_length is not None else fields.get("seq_length"),
         micro_batch_size=micro_batch_size if micro_batch_size is not None else fields.get("micro_batch_size"),
         features=features,
+        torch_version=torch_version,
     )

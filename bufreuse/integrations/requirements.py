@@ -19,6 +19,7 @@ from typing import Any
 from bufreuse.config import (
     BufferBound,
     BufReuseConfig,
+    TorchAssumption,
     dispatch_path,
     static_bounds,
     tokens_per_microbatch,
@@ -164,6 +165,7 @@ def check(
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
     features: Features | None = None,
+    torch_version: TorchAssumption | None = None,
 ) -> CheckReport:
     """Evaluate every applicable row of :data:`REQUIREMENTS` for the enabled buffers (never raises on unmet rows).
 
@@ -173,13 +175,14 @@ def check(
         seq_length: sequence length (with ``micro_batch_size``, sizes the static bounds).
         micro_batch_size: microbatch size.
         features: backend capabilities; detected in this environment when None.
+        torch_version: what the EP >= 2 stream rule judges by (default: the installed torch).
     """
     feats = features if features is not None else detect_features()
     path = dispatch_path(cfg)
     tokens = tokens_per_microbatch(cfg, seq_length=seq_length, micro_batch_size=micro_batch_size)
     ctx = CheckContext(cfg=cfg, knobs=knobs, path=path, tokens=tokens, features=feats)
     report = CheckReport(path=path, knobs=knobs, features=feats)
-    unused = unused_rings(cfg, knobs, path)  # install() registers and hooks none of these: nothing to require
+    unused = unused_rings(cfg, knobs, path, torch_version=torch_version)  # install() hooks none: nothing to require
     for buffer, policy in knobs.enabled().items():
         for req in REQUIREMENTS:
             if buffer not in req.buffers or policy not in req.policies:
@@ -203,7 +206,7 @@ def check(
                 )
             )
     if path is not None:
-        report.bounds = static_bounds(cfg, knobs, path=path, tokens=tokens)
+        report.bounds = static_bounds(cfg, knobs, path=path, tokens=tokens, torch_version=torch_version)
     return report
 
 

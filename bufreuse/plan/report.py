@@ -17,7 +17,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bufreuse import limits
-from bufreuse.config import AUTO, BUFFERS, BufReuseConfig, static_bounds, tokens_per_microbatch, unused_rings
+from bufreuse.config import (
+    AUTO,
+    BUFFERS,
+    BufReuseConfig,
+    TorchAssumption,
+    static_bounds,
+    tokens_per_microbatch,
+    unused_rings,
+)
 from bufreuse.errors import InputError
 from bufreuse.plan.depth import ALL_CHUNKS, closed_form, pending_at, ring_depths
 from bufreuse.plan.hazards import Cycle, find_hazards
@@ -339,11 +347,14 @@ def plan_config(
     layers_per_chunk: int | None = None,
     lag_steps: int = 2,
     assume_enabled: bool = False,
+    torch_version: TorchAssumption | None = None,
 ) -> PlanReport:
     """Plan the enabled ring buffers of a Megatron config (flat TransformerConfig/argument names).
 
     Options override the file. Microbatches: ``num_microbatches``, else ``global_batch_size / (micro_batch_size
     x data_parallel_size)``. ``pp_rank`` defaults to 0, the rank with the longest warm-up (deepest rings).
+    ``torch_version``: what the EP >= 2 stream rule judges by (default: the installed torch; see
+    :func:`bufreuse.config.unused_rings`).
 
     Raises:
         InputError: bad knob values, no MoE layers, an unknown microbatch count, or a schedule megatron refuses.
@@ -375,14 +386,14 @@ def plan_config(
     layers = [int(layers_per_chunk)] * spec.vpp if layers_per_chunk is not None else moe_layers_per_chunk(fields, spec)
     path = dispatch_path(fields)
     tokens = tokens_per_microbatch(fields, seq_length=seq, micro_batch_size=mbs)
-    bounds = static_bounds(fields, knobs, path=path or "alltoall", tokens=tokens)
+    bounds = static_bounds(fields, knobs, path=path or "alltoall", tokens=tokens, torch_version=torch_version)
     configured = {b: knobs.slots(b) for b, pol in knobs.enabled().items() if pol == "ring"}
     rules = release_rules(fields, path=path)
     # The same rule as install(): a ring that replaces nothing is not registered, so the used rings are
     # planned (and their cycles found) without it, as install() checks them; the unused one is planned
     # alone for the record, with no memory, no pending-free (the control allocates nothing there that waits
     # for a free either) and no cycle.
-    unused = unused_rings(fields, knobs, path or "alltoall")
+    unused = unused_rings(fields, knobs, path or "alltoall", torch_version=torch_version)
     by_buffer: dict[str, BufferPlan] = {}
     slot_bytes = {b: bd.slot_bytes for b, bd in bounds.items()}
     for is_unused in (False, True):
