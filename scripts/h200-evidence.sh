@@ -12,6 +12,10 @@
 #   AB_T0=$(date +%s) BUDGET_S=540 bash scripts/h200-evidence.sh ab ROUND_FROM ROUND_TO [FAMILY...]
 #                                               # Megatron-LM A/B rounds ROUND_FROM..ROUND_TO (default families
 #                                               # gb-te-pad gb-te-graph), ITERS=60 per run, logs tarred
+#   bash scripts/h200-evidence.sh ep            # expert parallelism over gloo, 2 (4) ranks on the one GPU, no TE
+#                                               # needed (carry .whl .mlm): the Megatron-LM EP-overlap family
+#                                               # (per-rank snapshots, pending-free at max active), the EP gloo
+#                                               # GPU tests (te ones too when TE is staged), the layer memory probe
 #   bash scripts/h200-evidence.sh prof FAMILY...  # torch-profiler runs control, rings, rings, control of each
 #                                               # family and their trace_summary comparisons (PROF_ITERS ...)
 # Compare locally afterwards: OUT=<untarred logs> ROUNDS=R WARMUP=10 bash scripts/megatron-ab.sh --compare-only F...
@@ -20,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-stage=${1:?stage: tests, bench, tests-bench, ab or prof}
+stage=${1:?stage: tests, bench, tests-bench, ep, ab or prof}
 shift
 work=/tmp/evidence-$stage
 rm -rf "$work" && mkdir -p "$work"
@@ -79,6 +83,23 @@ case $stage in
     te_env
     machine_facts
     gpu_tests 300
+    ;;
+  ep)
+    # shellcheck source=scripts/device-env.sh
+    source scripts/device-env.sh
+    [ -f .te-device/w/install-on-device.sh ] && te_env
+    machine_facts
+    log "Megatron-LM EP 2 over gloo, EP overlap (control, rings)"
+    MEGATRON_LM_PATH=${MEGATRON_LM_PATH:-$PWD/.mlm} ROUNDS=${ROUNDS:-1} ITERS=${ITERS:-20} WARMUP=${WARMUP:-5} \
+      LIMIT=${LIMIT:-200} OUT=$work/ab timeout -k 10 "${AB_TIMEOUT:-290}" bash scripts/megatron-ab.sh ep2-gloo-overlap \
+      >"$work/ab-console.txt" 2>&1 || log "EP overlap family exit $?"
+    find "$work/ab" -name '*.pickle' -delete 2>/dev/null  # analysed on the device; too large to bring back
+    log "EP gloo GPU tests"
+    TEST_ARGS="tests/test_ep_gloo_gpu.py" gpu_tests 200
+    log "layer memory probe, EP 2 (EP4=1: and 4)"
+    OUT=$work/epmem timeout -k 10 "${EPMEM_TIMEOUT:-200}" bash scripts/ep-memory-device.sh >"$work/epmem.txt" 2>&1 \
+      || log "memory probe exit $?"
+    rm -f "$work"/epmem/*.tgz
     ;;
   bench)
     # NAME... : [old-]PRESET-ROUTING-PRECISION, e.g. host-pad-bf16, old-host-pad-bf16, gpu-pad-fp8, host-dropless-bf16;
