@@ -639,6 +639,11 @@ def pending_free_at_ep(cfg: Any, buffer: str, *, records_streams: bool | None = 
       the dispatch output and whatever the combine's collective reads (the FC2 output with one local expert and
       no FP8 padding inside the experts).
 
+    Not established, so kept in use (conservative): ``overlap_dispatch_backward_with_experts_wgrad`` where FC1
+    saves the dispatch output itself (one bf16 local expert, expert-TP 1): its delayed wgrad reads it on
+    ``_delayed_wgrad_stream``; the sources read (TE ``GroupedLinear.backward_dw``, megatron's
+    ``_RegisterDelayedWgradForExperts``) drop it there without ``record_stream``, which no run has measured.
+
     Otherwise (torch >= 2.8, or gloo, whose side stream is idle by the time the buffer is freed because the host
     waited for it) both collectives run in order with the compute stream and nothing waits: a ring only adds its
     storage. ``records_streams`` None asks :func:`nccl_records_streams` (gloo never counts).
@@ -654,6 +659,10 @@ def pending_free_at_ep(cfg: Any, buffer: str, *, records_streams: bool | None = 
     if buffer == "dispatch":
         if records_streams:
             return None
+        if _get(cfg, "overlap_dispatch_backward_with_experts_wgrad", False) and (
+            local == 1 and not quantized and expert_tp(cfg) == 1
+        ):
+            return None  # FC1's delayed wgrad reads it on another stream: kept until a trace shows nothing waits
         if overlap and (quantized or local > 1):
             return None
         if overlap:

@@ -34,6 +34,13 @@ ROWS = [
     # ... the combine node's input is the FC2 output only at expert TP 1 (else the reduce-scatter's result)
     ({"expert_model_parallel_size": 8, "expert_tensor_parallel_size": 2, "overlap_moe_expert_parallel_comm": True},
      False, set()),
+    # overlap_dispatch_backward_with_experts_wgrad: FC1's delayed wgrad reads the saved dispatch output on
+    # _delayed_wgrad_stream; TE's backward_dw drops it without record_stream in the sources read, not measured:
+    # the dispatch ring stays in use where FC1 reads the dispatch output itself (one bf16 local expert)
+    ({"expert_model_parallel_size": 8, "overlap_dispatch_backward_with_experts_wgrad": True}, False, {"dispatch"}),
+    ({"expert_model_parallel_size": 2, "overlap_dispatch_backward_with_experts_wgrad": True}, False, set()),  # sort
+    ({"expert_model_parallel_size": 8, "overlap_dispatch_backward_with_experts_wgrad": True, "fp8": "hybrid"}, False,
+     set()),  # FC1 saves its quantized copy
 ]  # fmt: skip
 
 
@@ -47,6 +54,16 @@ def test_rings_used_where_a_second_stream_is_recorded_on_their_buffer(extra, rec
     # the keep knob (a validation aid) puts every one of them back
     keep = BufReuseConfig(**{**_fields(BOTH), "moe_bufreuse_keep_unused_rings": True})
     assert unused_rings(cfg, keep, "alltoall", records_streams=records) == {}
+
+
+def test_the_delayed_wgrad_overlap_field_is_megatrons() -> None:
+    """The field the rule reads is a megatron-core 0.19.2 ``TransformerConfig`` field (a rename would leave the rule
+    reading nothing)."""
+    import dataclasses
+
+    core = pytest.importorskip("megatron.core.transformer.transformer_config")
+    names = {f.name for f in dataclasses.fields(core.TransformerConfig)}
+    assert {"overlap_dispatch_backward_with_experts_wgrad", "overlap_moe_expert_parallel_comm"} <= names
 
 
 def test_the_keep_knob_leaves_the_ep1_reasons_alone() -> None:
