@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -559,6 +560,9 @@ class TorchAssumption:
             return "judged for torch >= 2.8 (assumed: no torch installed here; pass --torch-version)"
         how = {"installed": "installed here", "option": "--torch-version"}.get(self.source, self.source)
         out = f"judged for torch {self.version} ({how})"
+        counted, literal = _torch_minor(self.version), re.match(r"\s*(\d+)\.(\d+)", self.version)
+        if counted is not None and literal is not None and counted != (int(literal[1]), int(literal[2])):
+            out += f", a pre-release counted as {counted[0]}.{counted[1]}"
         if nccl_records_streams(self.version, {}) and not nccl_records_streams(self.version, env):
             out += " with TORCH_NCCL_AVOID_RECORD_STREAMS set (environment)"
         return out
@@ -591,11 +595,20 @@ def _installed_torch() -> str | None:
 
 
 def _torch_minor(version: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a torch version string; None when it does not start ``MAJOR.MINOR``."""
-    import re
+    """``(major, minor)`` of the torch release a version string has every change of; None when it does not start
+    ``MAJOR.MINOR``.
 
-    m = re.match(r"\s*(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    A pre-release of ``X.Y.0`` (``a``, ``b``, ``rc``, ``dev``: a nightly, an NGC build from before the release)
+    counts as the minor before it, since it may predate a change that release has (conservative for the NCCL rule:
+    it records streams, so the rings stay in use); a local tag (``+cu128``, ``+git...``) is ignored.
+    """
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?(.*)", version.split("+")[0])
+    if not m:
+        return None
+    major, minor, micro, rest = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), m.group(4).lower()
+    if micro == 0 and re.match(r"[.\-_]?(a|alpha|b|beta|c|rc|pre|preview|dev)\d*", rest):
+        return (major, minor - 1) if minor else (major - 1, 99)
+    return (major, minor)
 
 
 def nccl_records_streams(torch_version: str | None = None, env: Mapping[str, str] | None = None) -> bool:

@@ -81,7 +81,11 @@ def test_hybridep_is_not_judged_by_the_all_to_all_rule() -> None:
     ("version", "env", "records"),
     [("2.7.1+cu126", {}, True), ("2.7.1", {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}, False),
      ("2.8.0", {}, False), ("2.13.0+cpu", {}, False), ("2.4.0", {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}, True),
-     ("2.10.0a0+git", {}, False)],
+     ("2.10.0a0+git", {}, False),
+     # a pre-release of 2.8 (a nightly, an NGC build from before the change) counts as 2.7: it records
+     ("2.8.0a0+gitabc123", {}, True), ("2.8.0.dev20250415+cu128", {}, True), ("2.8.0rc1", {}, True),
+     ("2.8.0a0", {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}, False),
+     ("2.9.0a0+git", {}, False), ("2.8.0", {}, False), ("2.8.1+cu129", {}, False), ("2.8.0.post1", {}, False)],
 )  # fmt: skip
 def test_nccl_records_streams_before_torch_2_8(version, env, records) -> None:
     assert nccl_records_streams(version, env) is records

@@ -50,6 +50,10 @@ def test_plan_judges_by_the_option_and_says_so(tmp_path: Path) -> None:
     old = _plan(args, "--torch-version", "2.7.1")
     assert old["dispatch"] is None, old  # positive control: NCCL before 2.8 records its stream, the ring is used
     assert "judged for torch 2.7.1 (--torch-version)" in old["expert"]  # 4 local experts: combine reads a copy
+    # a pre-release of 2.8 (a nightly, an NGC build) may predate the change: counted as 2.7, and the reason says so
+    nightly = _plan(args, "--torch-version", "2.8.0a0+gitabc123")
+    assert nightly["dispatch"] is None, nightly
+    assert "2.8.0a0+gitabc123 (--torch-version), a pre-release counted as 2.7" in nightly["expert"], nightly
     # before 2.8 the variable decides it (read where the command runs), and the reason names it
     avoided = _plan(args, "--torch-version", "2.7.1", env={"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"})
     assert "with TORCH_NCCL_AVOID_RECORD_STREAMS set" in avoided["dispatch"], avoided
