@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from bufreuse import config
 from bufreuse.config import BufReuseConfig, nccl_records_streams, static_bounds, unused_rings
 from bufreuse.plan import plan_config
 
@@ -91,20 +92,29 @@ def test_nccl_records_streams_before_torch_2_8(version, env, records) -> None:
     assert nccl_records_streams(version, env) is records
 
 
-def test_the_unused_bound_still_reports_rows_and_keeps_no_slot() -> None:
+def _records(monkeypatch, value: bool) -> None:
+    """What NCCL does with streams, fixed (not the installed torch's): ``value`` True as before torch 2.8."""
+    monkeypatch.setattr(config, "nccl_records_streams", lambda *args, **kwargs: value)
+
+
+def test_the_unused_bound_still_reports_rows_and_keeps_no_slot(monkeypatch) -> None:
     cfg = {**BASE, "expert_model_parallel_size": 2, "hidden_size": 64}
+    _records(monkeypatch, False)
     bound = static_bounds(cfg, BOTH, path="alltoall", tokens=100)["dispatch"]
     assert bound.rows == 2 * 100 * 2 and bound.slots == 0 and bound.persistent_bytes == 0  # EP x tokens x topk
     assert "dropless worst case" in bound.source and "not used" in bound.source
+    _records(monkeypatch, True)  # positive control: where NCCL records streams the same bound keeps its slots
+    assert static_bounds(cfg, BOTH, path="alltoall", tokens=100)["dispatch"].slots == BOTH.slots("dispatch") > 0
 
 
-def test_plan_names_ring_storage_per_rank_and_the_dropless_worst_case() -> None:
+def test_plan_names_ring_storage_per_rank_and_the_dropless_worst_case(monkeypatch) -> None:
     # FP8, one local expert, EP overlap: both rings used (the table's rows)
     fields = {**BASE, "expert_model_parallel_size": 8, "overlap_moe_expert_parallel_comm": True, "num_layers": 2,
               "fp8": "hybrid",
               "hidden_size": 1024, "seq_length": 2048, "micro_batch_size": 1, "num_microbatches": 4,
               "moe_hybridep_reuse_dispatch_output_buffers": True, "moe_hybridep_num_expert_output_buffers": 4,
               "moe_hybridep_num_dispatch_output_buffers": 4}  # fmt: skip
+    _records(monkeypatch, False)  # torch >= 2.8 NCCL, whatever torch is installed here
     report = plan_config(fields)
     # one slot: EP 8 x 2048 tokens x min(topk 2, 1 local expert) rows x 1024 x 2 bytes = 32 MiB
     slot = 8 * 2048 * 1 * 1024 * 2
@@ -121,6 +131,9 @@ def test_plan_names_ring_storage_per_rank_and_the_dropless_worst_case() -> None:
     # nothing used: 0 MiB, and why
     plain = plan_config({k: v for k, v in fields.items() if k != "overlap_moe_expert_parallel_comm"})
     assert plain.storage_line().startswith("ring storage per rank: 0 MiB (no ring is used: ")
+    _records(monkeypatch, True)  # positive control: NCCL before 2.8 records streams, both rings used again
+    again = plan_config({k: v for k, v in fields.items() if k != "overlap_moe_expert_parallel_comm"})
+    assert again.to_dict()["ring_storage_bytes"] == total
 
 
 def _fields(knobs: BufReuseConfig) -> dict:
