@@ -23,7 +23,7 @@ parent stops the world (a peer would otherwise wait in a collective until the gl
 
 Rings: the ``production`` arm passes the knobs production passes, and ``install`` decides by its own rule which
 rings are worth hooking; where that rule leaves one unused at EP x ETP > 1, a ``kept`` arm
-(``moe_bufreuse_keep_unused_rings``, where this bufreuse has it) runs both on the path production takes where it
+(``moe_bufreuse_keep_unused_rings``) runs both on the path production takes where it
 does use them (no copy added).
 
 Shims (:func:`apply_shims`), each standing in for a megatron-core 0.19.2 line; only
@@ -631,17 +631,15 @@ def run_case(case: Case, w: World, result: dict) -> None:
 
 def arms(case: Case, w: World) -> list[tuple[str, Any]]:
     """``production``: the knobs production passes (install decides which rings are worth it, by its own rule);
-    ``kept``: the same with ``moe_bufreuse_keep_unused_rings`` where that rule leaves a ring unused at EP x ETP > 1
-    (this bufreuse has the knob): both rings on the path production takes where it uses them, to check them
-    in every configuration (no copy added, unlike the EP = 1 validation aids)."""
-    from bufreuse.config import BufReuseConfig, unused_rings
+    ``kept``: the same with ``moe_bufreuse_keep_unused_rings`` where that rule leaves a ring unused at EP x ETP > 1:
+    both rings on the path production takes where it uses them, to check them in every configuration (no copy
+    added, unlike the EP = 1 validation aids). The knob is set by name, unconditionally: a rename fails here."""
+    from bufreuse.config import unused_rings
 
     knobs = knobs_for(case)
     out = [("production", knobs)]
-    keep = "moe_bufreuse_keep_unused_rings"
-    cfg = _config_view(case, w)
-    if unused_rings(cfg, knobs, "alltoall") and keep in {f.name for f in dataclasses.fields(BufReuseConfig)}:
-        out.append(("kept", dataclasses.replace(knobs, **{keep: True})))
+    if unused_rings(_config_view(case, w), knobs, "alltoall"):
+        out.append(("kept", dataclasses.replace(knobs, moe_bufreuse_keep_unused_rings=True)))
     return out
 
 

@@ -20,7 +20,9 @@ from ep_harness import (  # noqa: E402
     MICROBATCHES,
     RINGS,
     Case,
+    World,
     WorldResult,
+    arms,
     break_cases,
     build_layer,
     cpu_cases,
@@ -151,7 +153,7 @@ def test_install_hooks_no_ring_at_ep1_with_the_same_knobs(parallel) -> None:
     from bufreuse.config import BufReuseConfig
 
     keep = {"moe_bufreuse_keep_unused_rings": True}  # the EP >= 2 kept arm's knob keeps nothing at EP = 1
-    keep = keep if "moe_bufreuse_keep_unused_rings" in {f.name for f in dataclasses.fields(BufReuseConfig)} else {}
+    assert dataclasses.replace(BufReuseConfig(), **keep).moe_bufreuse_keep_unused_rings  # the knob exists by this name
     for policy, extra in (("ring", {}), ("stream-ordered", {}), ("ring", keep)):
         case = Case(name="ep1", experts=2, policy=policy, dropless=True)
         layer = build_layer(case, 1, 1, "cpu")
@@ -161,6 +163,18 @@ def test_install_hooks_no_ring_at_ep1_with_the_same_knobs(parallel) -> None:
             assert pool.names() == []
             assert not {"token_dispatch", "combine_preprocess", "token_combine"} & set(vars(layer.token_dispatcher))
             assert "forward" not in vars(layer.experts)
+
+
+def test_the_kept_arm_sets_the_keep_knob_where_the_rule_leaves_a_ring_unused() -> None:
+    """``arms``: where install's rule leaves a ring unused at EP 2 (no EP overlap), a ``kept`` arm with
+    ``moe_bufreuse_keep_unused_rings`` set; where it leaves none unused (EP overlap with one FP8 local expert), the
+    production arm alone. The knob is set by name, so a rename fails here instead of dropping the arm."""
+    w = World(ep=2, etp=1, rank=0, device="cpu", ep_group=[0, 1], tp_ep_group=[0])
+    got = arms(Case(name="plain", experts=2, topk=1), w)
+    assert [a for a, _ in got] == ["production", "kept"]
+    assert not got[0][1].moe_bufreuse_keep_unused_rings and got[1][1].moe_bufreuse_keep_unused_rings
+    both_used = arms(Case(name="overlap-fp8", experts=2, topk=1, overlap=True, fp8="hybrid"), w)
+    assert [a for a, _ in both_used] == ["production"]
 
 
 def test_dispatch_rule_names_empty_dispatches_and_stays_exact() -> None:
