@@ -79,8 +79,9 @@ class BufReuseConfig:
     so normally left alone) into the expert ring anyway, to exercise and measure its hooks on one GPU; TE
     writes into the slot, so this adds no copy."""
     moe_bufreuse_keep_unused_rings: bool = False
-    """Validation aid: keep the rings :func:`pending_free_at_ep` finds nothing pending-free for at EP x ETP > 1
-    (all-to-all on the compute stream, no record_stream) in use anyway, to measure what they cost there."""
+    """Override: keep rings the stream rule leaves unused (use when a trace shows MoE pending-free the rule does not
+    predict): the rings :func:`pending_free_at_ep` finds nothing pending-free for at EP x ETP > 1 stay in use (also
+    how to measure what they cost there)."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -189,8 +190,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--moe-bufreuse-keep-unused-rings",
         action="store_true",
         default=False,
-        help="Validation aid: keep the rings that replace nothing pending-free at EP x ETP > 1 (all-to-all on the "
-        "compute stream) in use, to measure what they cost.",
+        help="Override: keep rings the stream rule leaves unused (use when a trace shows MoE pending-free the rule "
+        "does not predict).",
     )
     for buf in ("dispatch", "expert"):
         group.add_argument(
@@ -715,9 +716,9 @@ def unused_rings(
 
     The one rule ``install()``, :func:`static_bounds` and the planner share: at EP = 1 the dispatch is an
     identity, at EP x ETP = 1 the FC2 output never leaves one stream, and at EP x ETP > 1 on the all-to-all path
-    :func:`pending_free_at_ep` says where nothing waits pending-free. The validation knobs
-    (``moe_bufreuse_ring_identity_dispatch``, ``moe_bufreuse_ring_single_rank_expert``,
-    ``moe_bufreuse_keep_unused_rings``) keep a ring in use. On NCCL the EP >= 2 rule depends on the torch
+    :func:`pending_free_at_ep` says where nothing waits pending-free. The validation aids
+    (``moe_bufreuse_ring_identity_dispatch``, ``moe_bufreuse_ring_single_rank_expert``) and the override
+    ``moe_bufreuse_keep_unused_rings`` keep a ring in use. On NCCL the EP >= 2 rule depends on the torch
     version (:func:`nccl_records_streams`): ``records_streams`` decides it outright; else it is judged for
     ``torch_version`` (default: :func:`torch_assumption`, the installed torch), and each reason it gives ends
     with the version judged for and where it came from.

@@ -140,3 +140,36 @@ def _fields(knobs: BufReuseConfig) -> dict:
     import dataclasses
 
     return {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs)}
+
+
+OVERRIDE = (
+    "override: keep rings the stream rule leaves unused (use when a trace shows MoE pending-free the rule does not "
+    "predict)"
+)
+
+
+def test_the_keep_knob_is_named_an_override_in_help_docs_and_advise(tmp_path) -> None:
+    """``--moe-bufreuse-keep-unused-rings`` is what advise recommends when a trace contradicts the stream rule, so its
+    help, docs/megatron.md and advise's warning call it the same thing: an override (not a validation aid)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from test_advise import ARGS, EXPERT, _megatron_trace
+    from test_snapshot_sites import MEGATRON, NATIVE
+    from typer.testing import CliRunner
+
+    from bufreuse.cli.app import app
+
+    parser = config.add_arguments(argparse.ArgumentParser())
+    (action,) = [a for a in parser._actions if "--moe-bufreuse-keep-unused-rings" in a.option_strings]
+    assert action.help.lower().startswith(OVERRIDE.lower()), action.help
+    docs = (Path(__file__).parents[1] / "docs" / "megatron.md").read_text()
+    assert f"`--moe-bufreuse-keep-unused-rings` ({OVERRIDE})" in " ".join(docs.split())
+    snap = _megatron_trace(tmp_path, [*NATIVE, *MEGATRON], [*NATIVE, *EXPERT])
+    args = tmp_path / "run.args"
+    args.write_text(ARGS.format(ep=2))
+    res = CliRunner().invoke(app, ["advise", str(snap), "--args", str(args), "--num-microbatches", "6",
+                                   "--torch-version", "2.9.0", "--json"])  # fmt: skip
+    warned = [w for w in json.loads(res.stdout)["warnings"] if "install() would leave its ring unused" in w]
+    assert warned and all(f"--moe-bufreuse-keep-unused-rings ({OVERRIDE})" in w for w in warned), warned

@@ -189,7 +189,9 @@ def _join(
             for b, why in contradicted.items():
                 adv.warnings.append(
                     f"{BUFFERS[b]} waits pending-free in this trace, but install() would leave its ring unused "
-                    f"({why}): was the run on another torch or backend? planned with --moe-bufreuse-keep-unused-rings"
+                    f"({why}): was the run on another torch or backend? planned with --moe-bufreuse-keep-unused-rings "
+                    "(override: keep rings the stream rule leaves unused (use when a trace shows MoE pending-free the "
+                    "rule does not predict))"
                 )
             fields = {**fields, "moe_bufreuse_keep_unused_rings": True}
             unused = structural
