@@ -91,9 +91,13 @@ class Case:
     fp8: str | None = None
     """``hybrid`` (real TE, delayed scaling; GPU only)."""
     delay_wgrad: bool = False
-    """``delay_wgrad_compute`` (megatron wants ``overlap_moe_expert_parallel_comm`` with it: both set)."""
+    """``delay_wgrad_compute`` (megatron wants ``overlap_moe_expert_parallel_comm`` with it: both set; TE's wgrad store
+    and ``backward_dw`` run, the overlap flag is only read, see ``overlap``)."""
     overlap: bool = False
-    """``overlap_moe_expert_parallel_comm`` in the config (bf16; megatron allows it at EP > 1)."""
+    """``overlap_moe_expert_parallel_comm`` set in the config only (bf16; megatron allows it at EP > 1): the harness
+    drives the layer's stages itself, not megatron's combined-1F1B schedule, so ``ScheduleNode.free_input`` and the
+    comm stream never run (CPU or GPU); what it checks is install's rule under the flag and the rings' releases.
+    Cases that set it say ``flag-only`` in their name."""
     slots: int | None = None
     """Ring depth; default: the order's in-flight count (+1 with delayed wgrad)."""
     expect: str = "bit-equal"
@@ -124,7 +128,8 @@ def cpu_cases(ep: int, etp: int, *, full: bool = False) -> list[Case]:
     """The cases one CPU world runs.
 
     Default (CI): every order at one and two local experts (pad-to-capacity, float32), every routing dropless
-    at both, the stream-ordered policy on pad, skewed and empty routing, bf16, the config's EP overlap, and
+    at both, the stream-ordered policy on pad, skewed and empty routing, bf16, the EP overlap flag (flag only: no
+    combined-1F1B schedule, ``Case.overlap``), and
     (without expert TP, which the CPU fake does not shard) the TE grouped MLP with delayed wgrad. ``full``:
     the cross product order x local experts x routing x policy x dtype on top.
     """
@@ -148,7 +153,7 @@ def cpu_cases(ep: int, etp: int, *, full: bool = False) -> list[Case]:
     add("stream-ordered-dropless-empty", 1, policy="stream-ordered", dropless=True, routing="empty", order="fwd_bwd")
     add("bf16-dropless-1f1b_dw", 1, dtype="bfloat16", dropless=True, order="1f1b_dw")
     add("bf16-pad-vpp", 2, dtype="bfloat16", order="vpp")
-    add("bf16-overlap-config-dropless", 1, dtype="bfloat16", overlap=True, dropless=True, routing="skewed")
+    add("bf16-overlap-flag-only-dropless", 1, dtype="bfloat16", overlap=True, dropless=True, routing="skewed")
     add("steady-state-dropless-empty", 1, dropless=True, routing="empty", sync_check=True)  # the GPU protocol
     if etp == 1:
         add("te-fake-delay_wgrad-pad", 1, spec="te-fake", dtype="bfloat16", delay_wgrad=True, order="1f1b_dw")
@@ -644,7 +649,8 @@ def arms(case: Case, w: World) -> list[tuple[str, Any]]:
 
 
 def _config_view(case: Case, w: World) -> dict[str, Any]:
-    """The config fields the unused-ring rule reads, as a flat mapping."""
+    """The config fields the unused-ring rule reads, as a flat mapping (``overlap_moe_expert_parallel_comm`` as the
+    flag only: the stages run without megatron's combined-1F1B schedule, ``Case.overlap``)."""
     return {
         "num_moe_experts": case.experts,
         "expert_model_parallel_size": w.ep,

@@ -165,6 +165,15 @@ def test_install_hooks_no_ring_at_ep1_with_the_same_knobs(parallel) -> None:
             assert "forward" not in vars(layer.experts)
 
 
+def test_overlap_cases_say_they_set_only_the_flag() -> None:
+    """The harness drives the layer's stages itself, not megatron's combined-1F1B schedule, so
+    ``overlap_moe_expert_parallel_comm`` is only a config flag here (install's rule reads it;
+    ``ScheduleNode.free_input`` and the comm stream never run): every case that sets it for its own sake says so in
+    its name."""
+    cases = [c for ep, etp in WORLDS.values() for c in cpu_cases(ep, etp, full=True) if c.overlap]
+    assert cases and all("flag-only" in c.name for c in cases), [c.name for c in cases]
+
+
 def test_the_kept_arm_sets_the_keep_knob_where_the_rule_leaves_a_ring_unused() -> None:
     """``arms``: where install's rule leaves a ring unused at EP 2 (no EP overlap), a ``kept`` arm with
     ``moe_bufreuse_keep_unused_rings`` set; where it leaves none unused (EP overlap with one FP8 local expert), the
