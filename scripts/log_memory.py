@@ -18,6 +18,7 @@ Usage::
 
     python scripts/log_memory.py --kind short --bytes 4G --ulimit-v 2500000
     python scripts/log_memory.py --kind worst --lines 2000000 --dir /tmp --json row.json
+    python scripts/log_memory.py --kind megatron --lines 3000000 --limit max-log-iterations=3000000  # < 60 s, < 300 MB
 """
 
 from __future__ import annotations

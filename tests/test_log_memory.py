@@ -321,7 +321,9 @@ def test_recorded_log_figures_equal_those_read_straight_from_its_lines(path: Pat
     assert ms, "the regex found no steady line"
     (run,) = resolve_runs([str(path)])
     assert (list(run.step_ms), list(run.tflops)) == (ms, tflops)
-    assert list(run.step_windows) == list(run.tflops_windows) == windows
+    # windows of 1 each are kept as no windows at all (RunRecord: "empty: one each")
+    one_each = [1] * len(ms)
+    assert (list(run.step_windows) or one_each) == (list(run.tflops_windows) or one_each) == windows
     figures = run_stats(run)
     for series, values in (("step_ms", ms), ("tflops", tflops)):
         got, want = figures[series], _old_summary(values, windows)
@@ -430,3 +432,37 @@ def test_column_reads_are_read_only() -> None:
         table.column("tflops")[0] = 1.0
     assert list(table.column("tflops")) == [201.0, 202.0, 203.0]
     assert itertable.FLOAT_COLUMNS == ("elapsed_ms", "tflops", "loss", "samples_per_s")
+
+
+def _megatron_lines(n: int) -> str:
+    """Megatron-LM iteration lines as a long run prints them: timing, throughput, loss, zero counts."""
+    return "".join(
+        f" [2026-12-03 12:00:00] iteration {i:>8}/ 9999999 | consumed samples: {i * 512:>12} | elapsed time per "
+        f"iteration (ms): {6000 + i % 97:.1f} | throughput per GPU (TFLOP/s/GPU): {1100 + i % 13:.1f} | lm loss: "
+        f"2.345678E+00 | number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+        for i in range(1, n + 1)
+    )
+
+
+def test_a_long_megatron_log_costs_its_printed_figures_and_no_more(tmp_path: Path) -> None:
+    """A row costs BASE_ROW_BYTES plus 8 per figure printed nonzero (timing, throughput, loss): counts that stay
+    0, train_iters that never changes and windows that are all one take no column. What compare keeps of the run
+    is its two series, 16 bytes a steady window, as views of the parsed columns (no copy, no window column)."""
+    from bufreuse.analysis.runs.itertable import BASE_ROW_BYTES
+
+    n = 40_000
+    text = _megatron_lines(n)
+    log, kept, _ = _retained_and_peak(lambda: parse_log_text(text))
+    assert len(log.iterations) == n
+    want = BASE_ROW_BYTES + 3 * 8  # 38 bytes; ROW_BYTES (every column) is 90
+    assert kept / n < 1.1 * want, f"{kept / n:.1f} bytes kept per iteration line"
+    # positive control: the same lines with nonzero skipped counts pay for that column too
+    counts = text.replace("iterations:   0 |", "iterations:   1 |")
+    counted, more, _ = _retained_and_peak(lambda: parse_log_text(counts))
+    assert len(counted.iterations) == n and more / n > kept / n + 12
+    path = tmp_path / "run.log"
+    path.write_text(text)
+    (run,), held, _ = _retained_and_peak(lambda: resolve_runs([str(path)]))
+    assert len(run.step_ms) == n - 3 and len(run.step_windows) == 0  # windows of 1: none kept
+    assert held / n < 16 * 1.1, f"{held / n:.1f} bytes kept per steady window"
+    assert not run.step_ms.flags.writeable and run.step_ms.base is not None  # a view of the parsed column

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bufreuse.analysis.runs.megatron_log import expand_hostlist, parse_log, parse_log_text, steady_iterations
@@ -175,3 +175,85 @@ def test_real_h200_megatron_lm_logs_parse_with_identical_losses() -> None:
     assert [it.iteration for it in control.iterations] == [it.iteration for it in rings.iterations]
     assert len(control.iterations) == 9  # iteration 1, then every 2nd (--log-interval 2)
     assert [it.loss for it in control.iterations] == [it.loss for it in rings.iterations]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list(" \t:ab1.\u00a0\x0b\x1c\u2028/-e")), max_size=14))
+def test_a_field_reads_as_the_field_regex_reads_it(piece: str) -> None:
+    """The hot loop's str-method split of ``label: value`` equals the regex it replaced (non-blank labels)."""
+    import re
+
+    from bufreuse.analysis.runs.megatron_log import _field
+
+    m = re.match(r"^\s*([^:|]+?)\s*:\s*(.+?)\s*$", piece)
+    want = (m.group(1), m.group(2)) if m and m.group(1).strip() else None
+    assert _field(piece) == want
+
+
+_LABELS = ["elapsed time per iteration (ms)", "elapsed time per iteration (s)", "TFLOPs", "TFLOPS_per_GPU",
+           "lm loss", "number of skipped iterations", "number of nan iterations", "samples per second",
+           "consumed samples", "learning rate", "memory(GiB)", "peak_mem", " lm loss", "lm loss ", "lm", ""]
+_VALUES = ["6123.4", " 2.0 ", "nan", "inf", "-1", "2.5", "13090.4/13102.9", "", "  ", "x:y", "5,", "1e3", "\u00a0"]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(_LABELS), st.sampled_from([":", ": ", " :", ""]), st.sampled_from(_VALUES)),
+             max_size=8),
+    st.sampled_from(["", " ", "|", " | junk"]),
+    st.booleans(),
+)  # fmt: skip
+def test_the_fast_field_pass_reads_a_line_as_the_piece_by_piece_pass(pieces, tail, nemo) -> None:
+    from bufreuse.analysis.runs.megatron_log import _iterations, _Tally
+
+    head = "Training epoch 0, iteration 3/9 |" if nemo else " iteration        3/       9 |"
+    line = head + "|".join(f"{lab}{sep}{val}" for lab, sep, val in pieces) + ("|" if pieces else "") + tail
+    got = []
+    for fast in (True, False):
+        pairs, odd, unknown = [0], _Tally(), {}
+        recs = _iterations(line, 7, pairs, odd, unknown_memory=unknown, fast=fast)
+        got.append((recs, pairs, odd.count, odd.first, unknown))
+    assert repr(got[0]) == repr(got[1])  # repr: NaN values compare equal
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("iteration 12/|_aé\u00a0x")), max_size=40))
+def test_iteration_matches_by_find_equal_the_grammar_regex(line: str) -> None:
+    from bufreuse.analysis.runs.grammars import grammar
+    from bufreuse.analysis.runs.megatron_log import _iteration_matches
+
+    want = [(m.start(), m.end(), m.groups()) for m in grammar("iteration").pattern.finditer(line)]
+    assert [(m.start(), m.end(), m.groups()) for m in _iteration_matches(line)] == want
+
+
+_PIECE = st.tuples(st.sampled_from([*_LABELS, "iteration 4/ 9", "grad norm", "learning rate"]),
+                   st.sampled_from([":", ": ", " :", ""]), st.sampled_from([*_VALUES, "iteration 5/ 9 "]))  # fmt: skip
+_PREFIX = st.sampled_from(["", " ", "[2026-12-03 12:00:00] ", "x", "_", "[default3]:", "iteration 2/ 9 | lm loss: 1 |"])
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(st.tuples(_PREFIX, st.lists(_PIECE, max_size=6), st.sampled_from(["", " ", " junk"])), max_size=6),
+       st.integers(0, 5))  # fmt: skip
+def test_learned_line_shapes_read_a_log_as_the_general_path(lines, base) -> None:
+    """Logs of lines that share a shape with variations (values, labels, prefixes): read with shapes learned and
+    with learning off, the tables, warnings and figures are equal."""
+    import bufreuse.analysis.runs.megatron_log as ml
+
+    template = " iteration {i:8d}/     100 | elapsed time per iteration (ms): {t} | lm loss: 7.1E+00 |"
+    text = "".join(template.format(i=i, t=100 + i) + "\n" for i in range(1, base + 2))
+    # lines of the learned shape that hide a second record in a value, or glue a word before "iteration"
+    text += template.format(i=50, t=150).replace("7.1E+00", "iteration 60/ 100 ") + "\n"
+    text += "x" + template.format(i=51, t=151).lstrip() + "\n"
+    for n, (prefix, pieces, tail) in enumerate(lines, start=base + 2):
+        body = "|".join(f"{lab}{sep}{val}" for lab, sep, val in pieces)
+        text += f"{prefix}iteration {n:8d}/     100 |{body}{'|' if pieces else ''}{tail}\n"
+        text += template.format(i=n + 100, t=200 + n) + "\n"
+    read = []
+    for learn in (ml._MAX_SHAPES_LEARNED, 0):
+        old, ml._MAX_SHAPES_LEARNED = ml._MAX_SHAPES_LEARNED, learn
+        try:
+            log = ml.parse_log_text(text)
+        finally:
+            ml._MAX_SHAPES_LEARNED = old
+        read.append(repr((list(log.iterations), log.warnings, log.memory)))
+    assert read[0] == read[1]

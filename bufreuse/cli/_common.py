@@ -43,6 +43,7 @@ __all__ = [
     "print_error",
     "progress_bar",
     "report_exception",
+    "return_freed_memory",
     "root_option",
     "set_debug",
     "unknown_flags_text",
@@ -93,6 +94,23 @@ def is_debug() -> bool:
 def print_error(message: str, *, label: str = "error") -> None:
     """Print ``label: message`` as one line on stderr; ``message`` is escaped (no rich markup from users)."""
     err_console.print(f"[bold red]{label}:[/] {escape(_one_line(message))}", soft_wrap=True, highlight=False)
+
+
+def return_freed_memory() -> None:
+    """Make glibc serve every allocation of 128 KiB or more from its own mapping, for this process.
+
+    glibc raises that threshold (up to 32 MiB) each time a mapped block is freed, after which big blocks
+    come from the heap and stay resident once freed: ``compare`` frees a long log's columns before reading
+    the next log, and two 3,000,000-iteration logs then peaked at 313 MB instead of 242 MB. Elsewhere
+    (musl, macOS) nothing changes.
+    """
+    import contextlib
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed (no longer dynamic)
 
 
 def unknown_flags_text(file: str | os.PathLike[str]) -> str:

@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from bufreuse.cli._common import console, err_console, handle_errors, json_option, root_option, write_figures
+from bufreuse.cli._common import (
+    console,
+    err_console,
+    handle_errors,
+    json_option,
+    return_freed_memory,
+    root_option,
+    write_figures,
+)
 from bufreuse.cli._validate import check_output_dir, check_output_file, finite
 
 __all__ = ["register"]
@@ -78,6 +86,7 @@ def compare(
 
     check_output_file(csv_path, suffixes=(".csv",), mkdir=mkdir, option="--csv")
     check_output_dir(plot, mkdir=mkdir, option="--plot")
+    return_freed_memory()  # one log's columns go back to the OS before the next log is read
     bands = Bands(throughput_pct=throughput_band, memory_mib=memory_band_mib, memory_pct=memory_band_pct)
     sizes = parse_slot_sizes(slot_bytes, slot_mib)
     with err_console.status("reading runs (snapshots can take a while)"):

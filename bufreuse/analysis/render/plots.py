@@ -228,11 +228,11 @@ def iteration_figure(result: ComparisonResult, *, run: str = "") -> Figure:
     """Per-iteration throughput (or step time) of every run, steady-state samples in order."""
     fig = _figure()
     ax = fig.add_subplot()
-    use_tflops = any(r.tflops for r in result.runs)
+    use_tflops = any(len(r.tflops) for r in result.runs)  # series may be arrays: no truth value
     drawn = 0
     for r in result.runs:
         values = r.tflops if use_tflops else r.step_ms
-        if values:
+        if len(values):
             ax.plot(range(1, len(values) + 1), values, marker=".", label=mpl_text(r.label))
             drawn += 1
     if not drawn:

@@ -64,16 +64,24 @@ _INTS = ("iteration", "total", "line")
 _CAPTURED = 1 << len(FLOAT_COLUMNS)  # flag bit: a CUDA-graph capture message came before this row
 _INT64_MAX = 2**63 - 1
 ROW_BYTES = 8 * (len(FLOAT_COLUMNS) + len(_COUNTS) + len(_INTS)) + 2 + 8
-"""Bytes one row costs: the columns, fields and flags (one byte each) and the window set by ``finish``
+"""Bytes one row costs at most: the columns, fields and flags (one byte each) and the window set by ``finish``
 (iteration-line memory fields, printed by ms-swift and Primus only, add 8 bytes each)."""
+BASE_ROW_BYTES = 8 + 4 + 2
+"""Bytes every row costs: iteration and line number (4 bytes below 2^32), fields and flags. The rest is
+paid only when a log needs it: 8 for each figure some line prints nonzero (a count or a figure no line
+prints costs nothing), 8 for ``train_iters`` when it changes within the log, 8 for windows that are not
+all equal."""
+_LAZY = ("total", *FLOAT_COLUMNS, *_COUNTS)
+_PUT = tuple((1 << b, n) for b, n in enumerate(FLOAT_COLUMNS)) + tuple((0, n) for n in _COUNTS)
+"""Columns made on the first row that needs them (before it: every row had the fill value)."""
 
 
 class IterationTable(Sequence[IterationRecord]):
     """Iteration rows in columns; append while parsing, :meth:`finish` once, then read."""
 
     def __init__(self, *, limit: int | None = None, source: str = "<text>") -> None:
-        self._cols: dict[str, array] = {n: array("q") for n in _INTS}
-        self._cols.update({n: array("d") for n in (*FLOAT_COLUMNS, *_COUNTS)})
+        self._cols: dict[str, array] = {"iteration": array("q"), "line": array("I")}  # and _LAZY ones when needed
+        self._total0 = 0  # train_iters of the first row: the fill of the lazy "total" column
         self._fields, self._flags = array("B"), array("B")
         self._memory: dict[str, array] = {}
         self._limit, self._source = limit, source
@@ -114,26 +122,39 @@ class IterationTable(Sequence[IterationRecord]):
             )  # fmt: skip
         c = self._cols
         c["iteration"].append(iteration)
-        c["total"].append(total)
-        c["line"].append(line)
+        try:
+            c["line"].append(line)
+        except OverflowError:  # past 2^32 - 1 (a 4 GiB log of short lines): 8 bytes a line number from here
+            c["line"] = array("q", c["line"])
+            c["line"].append(line)
+        if not self._n:
+            self._total0 = total
+        if (col := c.get("total")) is not None:
+            col.append(total)
+        elif total != self._total0:
+            c["total"] = array("q", [self._total0]) * self._n
+            c["total"].append(total)
         flags = _CAPTURED if captured else 0
-        for bit, name in enumerate(FLOAT_COLUMNS):
+        for bit, name in _PUT:  # the figures, then the counts (absent: 0, no flag bit)
             v = values.get(name)
             if v is not None:
-                flags |= 1 << bit
-            c[name].append(0.0 if v is None else v)
-        for name in _COUNTS:
-            c[name].append(values.get(name, 0.0))
+                flags |= bit
+            if (col := c.get(name)) is not None:
+                col.append(0.0 if v is None else v)
+            elif v:  # nonzero (or NaN): the column starts here, zeros before
+                c[name] = array("d", [0.0]) * self._n
+                c[name].append(v)
         self._fields.append(min(255, len(values) + len(memory)))
         self._flags.append(flags)
-        for name, v in memory.items():
-            col = self._memory.get(name)
-            if col is None:
-                col = self._memory[name] = array("d", [math.nan]) * self._n
-            col.append(v)
-        for name, col in self._memory.items():
-            if name not in memory:
-                col.append(math.nan)
+        if memory or self._memory:
+            for name, v in memory.items():
+                col = self._memory.get(name)
+                if col is None:
+                    col = self._memory[name] = array("d", [math.nan]) * self._n
+                col.append(v)
+            for name, col in self._memory.items():
+                if name not in memory:
+                    col.append(math.nan)
         self._n += 1
         return True
 
@@ -145,8 +166,16 @@ class IterationTable(Sequence[IterationRecord]):
         ``log_interval``: Megatron's printed argument (None: not printed); ``capture_pending``: a
         capture message came after the last record.
         """
-        col: dict[str, np.ndarray] = {n: np.frombuffer(a, dtype=np.int64) for n, a in self._cols.items() if n in _INTS}
+        col: dict[str, np.ndarray] = {
+            n: np.frombuffer(a, dtype=np.uint32 if a.typecode == "I" else np.int64)
+            for n, a in self._cols.items()
+            if n in _INTS
+        }
         col.update({n: np.frombuffer(a, dtype=np.float64) for n, a in self._cols.items() if n not in _INTS})
+        for name in _LAZY:  # never made: every row holds the fill, one value read as a whole column
+            if name not in col:
+                fill = np.int64(self._total0) if name == "total" else np.float64(0.0)
+                col[name] = np.broadcast_to(fill, (self._n,))
         col["fields"] = np.frombuffer(self._fields, dtype=np.uint8)
         col["flags"] = np.frombuffer(self._flags, dtype=np.uint8)
         col.update({f"mem:{n}": np.frombuffer(a, dtype=np.float64) for n, a in self._memory.items()})
@@ -161,8 +190,11 @@ class IterationTable(Sequence[IterationRecord]):
         self._resolve_capture(col, skipped, capture_pending)
         del skipped
         if keep is not None:
+            kept = int(np.count_nonzero(keep))
             for name in list(col):  # one column at a time: the full one is dropped as its copy is made
-                col[name] = col[name][keep]
+                a = col[name]
+                col[name] = np.broadcast_to(a[:1].reshape(()) if a.size else a.dtype.type(0), (kept,)) if (
+                    a.ndim and a.strides[0] == 0) else a[keep]  # fmt: skip
         self._final = col
         self._n = int(col["iteration"].size)
         self._set_windows(log_interval, in_order=keep is None)
@@ -212,8 +244,8 @@ class IterationTable(Sequence[IterationRecord]):
     def _resolve_capture(self, col: dict[str, np.ndarray], skipped: np.ndarray, pending: bool) -> None:
         """The iteration of the first row kept as read after the last capture message that has one."""
         marks = np.flatnonzero(col["flags"] & _CAPTURED)
-        taken = np.flatnonzero(~skipped)
         if marks.size:
+            taken = np.flatnonzero(~skipped)
             reached = marks[marks <= (taken[-1] if taken.size else -1)]
             if reached.size:
                 first = taken[np.searchsorted(taken, reached[-1])]
@@ -232,8 +264,7 @@ class IterationTable(Sequence[IterationRecord]):
         col = self._final
         assert col is not None
         it = col["iteration"]
-        windows = np.ones(it.size, dtype=np.int64)
-        col["window"] = windows
+        col["window"] = np.broadcast_to(np.int64(1), (it.size,))
         if not it.size:
             return
         order = None if in_order else np.argsort(it, kind="stable")
@@ -244,7 +275,9 @@ class IterationTable(Sequence[IterationRecord]):
         except ValueError:
             known = False
         if not known:
-            if gaps.size:
+            if gaps.size and int(gaps.min()) == int(gaps.max()):
+                interval = int(gaps[0])  # one gap throughout (the usual log): no sorted copy to count it
+            elif gaps.size:
                 values, counts = np.unique(gaps, return_counts=True)
                 interval = int(values[np.argmax(counts)])
                 del values, counts
@@ -254,12 +287,18 @@ class IterationTable(Sequence[IterationRecord]):
         self.interval, self.known_interval = interval, known
         self.long_gaps = int(np.count_nonzero(gaps > interval))
         first = 0 if order is None else int(order[0])
-        windows[first] = max(1, min(int(it[first]), interval))
+        head = max(1, min(int(it[first]), interval))
         np.minimum(gaps, interval, out=gaps)  # gaps are >= 1: the iterations are distinct
+        if not gaps.size or (int(gaps[0]) == head and not bool(np.any(gaps != head))):
+            col["window"] = np.broadcast_to(np.int64(head), (it.size,))  # one window for every row: no column
+            return
+        windows = np.empty(it.size, dtype=np.int64)
+        windows[first] = head
         if order is None:
             windows[1:] = gaps
         else:
             windows[order[1:]] = gaps
+        col["window"] = windows
 
     # -- reading -------------------------------------------------------------------------------------------
 

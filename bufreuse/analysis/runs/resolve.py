@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ import numpy as np
 
 from bufreuse.analysis.runs.comparability import run_config
 from bufreuse.analysis.runs.hostlist import HostSet, hosts_from_names, parse_hostlist
-from bufreuse.analysis.runs.megatron_log import MegatronLog, describe_dropped, parse_log, steady_rows
+from bufreuse.analysis.runs.itertable import IterationTable
+from bufreuse.analysis.runs.megatron_log import MegatronLog, describe_dropped, parse_log, steady_mask
 from bufreuse.analysis.runs.record import MIB, RunRecord
 from bufreuse.config import BUFFERS, BufReuseConfig, check_field_types, static_bounds, tokens_per_microbatch
 from bufreuse.errors import ConfigError, InputError, LogFormatError
@@ -178,17 +180,19 @@ def _from_megatron_folder(folder: Path, warmup: int) -> RunRecord:
 
 def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     log = parse_log(path)
-    rows, dropped = steady_rows(log, warmup=warmup)
-    if not rows.size:
+    rows, dropped = _steady(log, warmup)
+    if not _size(rows):
         raise LogFormatError(f"{path}: no steady-state iterations: {describe_dropped(dropped, warmup=warmup)}")
     run = RunRecord(label=label, source=path, kind="megatron", dropped=dropped, warnings=list(log.warnings))
     table = log.iterations
-    timed, rated = rows[table.present("elapsed_ms")[rows]], rows[table.present("tflops")[rows]]
+    timed, rated = _present(table, rows, "elapsed_ms"), _present(table, rows, "tflops")
     del rows
     run.step_ms, run.step_windows = _column(log, timed, "elapsed_ms"), _column(log, timed, "window")
     run.tflops = _column(log, rated, "tflops")
     # one copy of the windows when both series have the same rows: compare holds every run's series at once
-    run.tflops_windows = run.step_windows if np.array_equal(timed, rated) else _column(log, rated, "window")
+    same = timed is rated or (not isinstance(timed, slice) and not isinstance(rated, slice)
+                              and np.array_equal(timed, rated))  # fmt: skip
+    run.tflops_windows = run.step_windows if same else _column(log, rated, "window")
     del timed, rated
     run.config = run_config(log.args)
     for attr, target in (
@@ -206,9 +210,42 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     return run
 
 
-def _column(log: MegatronLog, rows: np.ndarray, name: str) -> array[Any]:
-    """Column ``name`` of ``log.iterations`` at ``rows``: an ``array`` of 8 bytes a value, written in place."""
+def _steady(log: MegatronLog, warmup: int) -> tuple[np.ndarray | slice, dict[str, int]]:
+    """The steady rows: a slice when they are one run of consecutive rows (a long log's usual case: no
+    8-byte row number each), else their row numbers."""
+    mask, dropped = steady_mask(log, warmup=warmup)
+    count = int(np.count_nonzero(mask))
+    if count:
+        first = int(np.argmax(mask))
+        if bool(mask[first : first + count].all()):
+            return slice(first, first + count), dropped
+    return np.flatnonzero(mask), dropped
+
+
+def _size(rows: np.ndarray | slice) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
+
+
+def _present(table: IterationTable, rows: np.ndarray | slice, name: str) -> np.ndarray | slice:
+    """The ``rows`` that printed figure ``name``: ``rows`` itself when all did (the figures of a slice read
+    as views), else their row numbers."""
+    shown = table.present(name)[rows]
+    if bool(shown.all()):
+        return rows
+    return (np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)[shown]
+
+
+def _column(log: MegatronLog, rows: np.ndarray | slice, name: str) -> Sequence[Any]:
+    """Column ``name`` of ``log.iterations`` at ``rows``: a read-only view for a slice (it keeps that column
+    alone alive once the log goes; a window column of one value keeps nothing, and windows of 1 are left
+    empty: one each), else an ``array`` of 8 bytes a value, written in place."""
     table = log.iterations
+    if isinstance(rows, slice):
+        view = table.column(name)[rows]
+        if name == "window" and (not view.size or view.strides[0] == 0):
+            one = int(view[0]) if view.size else 1
+            return [] if one == 1 else np.broadcast_to(np.int64(one), view.shape)
+        return view
     if name == "window":
         out: array[Any] = array("q", [0]) * rows.size
         np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.int64))

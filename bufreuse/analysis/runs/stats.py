@@ -18,12 +18,16 @@ __all__ = ["bootstrap_diff", "bootstrap_median_diff", "mean_diff_interval", "met
 
 
 def _weights(values: Sequence[float], weights: Sequence[int] | None) -> np.ndarray:
-    """Integer weights (iterations per log window), one per value; all 1 when not given."""
+    """Integer weights (iterations per log window), one per value; all 1 when not given (then, or when every
+    weight is the same, one value read as the whole column: a long log's weights take no memory)."""
     if weights is None or not len(weights):
-        return np.ones(len(values), dtype=np.int64)
+        return np.broadcast_to(np.int64(1), (len(values),))
     if len(weights) != len(values):
         raise ValueError(f"{len(weights)} weights for {len(values)} values")
-    return np.maximum(np.asarray(weights, dtype=np.int64), 1)
+    w = np.asarray(weights, dtype=np.int64)
+    if w.ndim and w.strides[0] == 0:
+        return np.broadcast_to(np.int64(max(int(w[0]), 1)), w.shape)
+    return np.maximum(w, 1)
 
 
 def summarise(values: Sequence[float], weights: Sequence[int] | None = None) -> dict[str, float | int | None]:
@@ -112,9 +116,77 @@ _SORT_BELOW = 64
 """Samples smaller than this are resampled with sorts (:func:`_boot_stat`), larger ones by counts."""
 
 
+GROUPED_ABOVE = 1 << 16
+"""Samples of more windows than this are resampled by group counts (:func:`_grouped_medians`): a draw
+costs O(groups), not O(windows), so a million-window log needs no million resamples of a million."""
+MAX_GROUPS = 4096
+"""Most groups a grouped resample draws counts for (values binned above it: :func:`_groups`)."""
+
+
+def _groups(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """``(group values ascending, group weights, windows per group, bin width)`` of a large sample.
+
+    Windows with the same value and weight are one group: resampling windows with replacement is then
+    drawing each group's count from a multinomial, exactly. Logs print 1-2 decimals, so a million windows
+    make a few thousand groups. Past :data:`MAX_GROUPS`, values within the weighted middle half are binned
+    to 1/:data:`MAX_GROUPS` of its width (each resampled median moves by at most that, the bin width
+    returned) and values outside it are lumped at its ends: a resample median of more than
+    :data:`GROUPED_ABOVE` windows lies that far from the sample median with probability far below 1e-9.
+    """
+    const = not weights.strides[0]  # one weight for all (a long log's usual case): groups of values alone
+
+    def group(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if const:
+            u, c = np.unique(v, return_counts=True)
+            return u, np.full(u.size, float(weights[0])), c
+        pairs, c = np.unique(np.stack([v, weights.astype(float)]), axis=1, return_counts=True)
+        return pairs[0], pairs[1], c
+
+    v, w, counts = group(values)
+    width = 0.0
+    if v.size > MAX_GROUPS:
+        if const:
+            lo, hi = (float(q) for q in np.quantile(values, [0.25, 0.75]))
+        else:
+            order = np.argsort(values, kind="stable")
+            cum = np.cumsum(weights[order])
+            lo, hi = (float(values[order[np.searchsorted(cum, q * cum[-1])]]) for q in (0.25, 0.75))
+            del order, cum
+        width = (hi - lo) / (MAX_GROUPS - 2) if hi > lo else 0.0
+        binned = np.clip(values, lo, hi)
+        if width:
+            binned = lo + np.round((binned - lo) / width) * width
+        v, w, counts = group(binned)
+        if v.size > MAX_GROUPS:  # many distinct weights: one weight per value bin (their mean)
+            u, inv = np.unique(v, return_inverse=True)
+            n = np.bincount(inv, weights=counts)
+            return u, np.bincount(inv, weights=counts * w) / n, n.astype(np.int64), width
+    return v, w, counts.astype(np.int64), width
+
+
+def _grouped_medians(
+    values: np.ndarray, weights: np.ndarray, n: int, rng: np.random.Generator, n_boot: int
+) -> np.ndarray:
+    """Weighted medians of ``n_boot`` resamples of ``n`` windows, each drawn as multinomial group counts."""
+    v, w, k, _ = _groups(values, weights)
+    p = k / k.sum()
+    out = np.empty(n_boot)
+    step = max(1, _BOOT_CELLS // v.size)
+    for start in range(0, n_boot, step):
+        counts = rng.multinomial(n, p, size=min(step, n_boot - start))
+        cum = np.cumsum(counts * w, axis=1)
+        half = cum[:, -1:] / 2
+        lo, hi = np.argmax(cum >= half, axis=1), np.argmax(cum > half, axis=1)
+        out[start : start + counts.shape[0]] = (v[lo] + v[hi]) / 2
+    return out
+
+
 def _bootstrap(values: np.ndarray, weights: np.ndarray, rng: np.random.Generator, n_boot: int, stat: str) -> np.ndarray:
-    """``stat`` of ``n_boot`` resamples, drawn :data:`_BOOT_CELLS` at a time (the same draws as all at once)."""
+    """``stat`` of ``n_boot`` resamples, drawn :data:`_BOOT_CELLS` at a time (the same draws as all at once);
+    medians of more than :data:`GROUPED_ABOVE` windows from group counts."""
     n = values.size
+    if stat == "median" and n > GROUPED_ABOVE:
+        return _grouped_medians(values, weights, n, rng, n_boot)
     step = max(1, _BOOT_CELLS // n)
     by_sort = stat == "mean" or n < _SORT_BELOW
     if not by_sort:
@@ -158,9 +230,14 @@ def mean_diff_interval(
         return None
     parts = []
     for values, weights in ((base, base_weights), (other, other_weights)):
-        x, w = np.asarray(values, dtype=float), _weights(values, weights).astype(float)
-        mean = float((w * x).sum() / w.sum())
-        var_mean = float((w * (x - mean) ** 2).sum() / (x.size - 1) / w.sum())
+        x, wi = np.asarray(values, dtype=float), _weights(values, weights)
+        if not wi.strides[0]:  # one weight for all: the unweighted figures (no weight column in memory)
+            mean = float(x.mean())
+            var_mean = float(x.var(ddof=1)) / x.size
+        else:
+            w = wi.astype(float)
+            mean = float((w * x).sum() / w.sum())
+            var_mean = float((w * (x - mean) ** 2).sum() / (x.size - 1) / w.sum())
         parts.append((mean, var_mean, x.size - 1))
     (ma, va, da), (mb, vb, db) = parts
     se2 = va + vb
