@@ -146,3 +146,19 @@ def test_combined_names_megatron_rank_files() -> None:
         "worst_rank": 12,
     }
     assert figs["failed"] == 1 and figs["reported"] == 3
+
+
+def test_streams_are_named_in_the_report_not_printed_as_raw_integers() -> None:
+    """torch records a stream as its cudaStream_t handle: 0 is the default stream, others read as 0x... handles.
+    The bundled record_stream recording frees its dispatch blocks on a side stream (handle 972366656)."""
+    from bufreuse.analysis.render.snapshot_tables import stream_name
+
+    assert [stream_name(s) for s in (0, "0", 1, 2, 972366656, "972366656")] == [
+        "default", "default", "legacy default", "per-thread default", "0x39f52340", "0x39f52340"]  # fmt: skip
+    snap = Path(__file__).parent / "data" / "snapshots" / "record_stream.pickle.gz"
+    res = CliRunner().invoke(app, ["snapshot-report", str(snap)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "0x39f52340" in res.stdout and "│    default │" in res.stdout
+    assert "972366656" not in res.stdout  # the raw handle nowhere in the text
+    data = json.loads(CliRunner().invoke(app, ["snapshot-report", str(snap), "--json"]).stdout)
+    assert "972366656" in data["streams"]  # positive control: the JSON keeps the exact handle

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from bufreuse.analysis.render.safe import rich_text
 
-__all__ = ["combined_table", "file_renderable", "fmt_bytes", "snapshots_table"]
+__all__ = ["combined_table", "file_renderable", "fmt_bytes", "snapshots_table", "stream_name"]
 
 _MiB = 1 << 20
 
@@ -29,6 +29,20 @@ def fmt_bytes(n: int | float | None) -> str:
     if abs(n) >= _MiB:
         return f"{n / _MiB:,.0f} MiB" if abs(n) >= 100 * _MiB else f"{n / _MiB:,.1f} MiB"
     return f"{int(n):,} B"
+
+
+_STREAMS = {0: "default", 1: "legacy default", 2: "per-thread default"}
+"""The CUDA stream handles with a name (``cudaStreamLegacy`` is 0x1, ``cudaStreamPerThread`` 0x2)."""
+
+
+def stream_name(stream: int | str) -> str:
+    """A stream as a person reads it: torch's snapshot records a stream as its ``cudaStream_t`` handle (an
+    int, no name), so 0 is the default stream and any other is shown as the handle, ``0x39f5a340``."""
+    try:
+        s = int(stream)
+    except (TypeError, ValueError):
+        return str(stream)
+    return _STREAMS.get(s, f"0x{s:x}" if s > 0 else str(s))
 
 
 def _when(report: dict[str, Any], key: str) -> str:
@@ -98,7 +112,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
                 f"{row['count']:,}",
                 fmt_bytes(row["size_bytes"]),
                 fmt_bytes(row["total_bytes"]),
-                str(row["stream"]),
+                stream_name(row["stream"]),
                 rich_text(row["category"]),
                 rich_text(row["site"]),
             )
@@ -111,7 +125,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
             st.add_column(col, justify="right")
         for sid, f in report["streams"].items():
             st.add_row(
-                rich_text(sid),
+                rich_text(stream_name(sid)),
                 f"{f.get('alloc_count', 0):,}",
                 fmt_bytes(f.get("alloc_bytes", 0)),
                 fmt_bytes(f.get("pending_free_at_max_active_bytes", 0)),
@@ -121,7 +135,7 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
     for oom in report["oom_events"]:
         parts.append(
             f"[red]OOM[/] at event {oom['event_index']:,}: asked {fmt_bytes(oom['size_bytes'])}, "
-            f"device free {fmt_bytes(oom['device_free_bytes'])} (stream {oom['stream']})"
+            f"device free {fmt_bytes(oom['device_free_bytes'])} (stream {stream_name(oom['stream'])})"
         )
     for w in report["warnings"]:
         parts.append(f"[yellow]warning:[/] {rich_text(w)}")
