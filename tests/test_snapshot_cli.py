@@ -70,7 +70,8 @@ def test_table_output_names_site_and_combined_worst_rank(tmp_path: Path) -> None
     assert res.exit_code == 0, res.output
     assert "_dispatch_tokens" in res.stdout and "dispatch_output" in res.stdout
     assert "combined over 2 of 2 files" in res.stdout
-    assert "rank 1" in res.stdout  # record_stream has the most pending free at max active
+    worst = [ln for ln in res.stdout.splitlines() if ln.startswith("│ pending free at max active")]
+    assert worst and "snap_rank1.pickle.gz" in worst[0]  # record_stream has the most pending free at max active
     assert "OOM at event 11" in res.stdout
 
 
@@ -143,6 +144,7 @@ def test_combined_names_megatron_rank_files() -> None:
         "median": 7,
         "max": 9,
         "worst_file": "/runs/snap_base_12.pickle.gz",
+        "worst_label": "snap_base_12.pickle.gz",
         "worst_rank": 12,
     }
     assert figs["failed"] == 1 and figs["reported"] == 3
@@ -162,3 +164,27 @@ def test_streams_are_named_in_the_report_not_printed_as_raw_integers() -> None:
     assert "972366656" not in res.stdout  # the raw handle nowhere in the text
     data = json.loads(CliRunner().invoke(app, ["snapshot-report", str(snap), "--json"]).stdout)
     assert "972366656" in data["streams"]  # positive control: the JSON keeps the exact handle
+
+
+SWEEP_SNAPSHOTS = sorted((Path(__file__).resolve().parents[1] / "examples" / "sweep-h200").glob("*/snapshot.pickle.gz"))
+
+
+def test_several_files_name_their_plots_and_worst_run_by_the_file_that_tells_them_apart(tmp_path: Path) -> None:
+    """The bundled H200 sweep: five runs, every file named snapshot.pickle.gz. Plots and the worst column carry
+    the run's folder (the shortest path that tells the files apart), not a number or the shared file name."""
+    from bufreuse.analysis.snapshot.batch import plot_stems, unique_labels
+
+    assert len(SWEEP_SNAPSHOTS) == 5
+    res = CliRunner().invoke(app, ["snapshot-report", *map(str, SWEEP_SNAPSHOTS), "--plot", str(tmp_path / "sr.png")],
+                             env={"COLUMNS": "200"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    want = sorted(f"sr-{p.parent.name}-snapshot.png" for p in SWEEP_SNAPSHOTS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == want
+    reserved = {p.parent.name: report_file(p)["max_reserved_bytes"] for p in SWEEP_SNAPSHOTS}
+    worst = max(reserved, key=reserved.get)
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith("│ max reserved"))
+    assert f"{worst}/snapshot.pickle.gz" in row, row
+    # names that already differ stay file names; a path given twice is told apart; stems are file-safe
+    assert unique_labels(["a/x.pickle", "b/y.pickle"]) == ["x.pickle", "y.pickle"]
+    assert unique_labels(["r/a/s.pkl", "r/b/s.pkl", "r/b/s.pkl"]) == ["a/s.pkl", "b/s.pkl", "b/s.pkl#2"]
+    assert plot_stems(["r/a b/s.pickle.gz", "r/c/s.pickle.gz", "r/c/s.pickle.gz"]) == ["a_b-s", "c-s", "c-s-2"]

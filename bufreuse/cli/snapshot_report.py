@@ -44,7 +44,10 @@ def snapshot_report(
     json_out: Annotated[bool, json_option("each file's report (one object per line)")] = False,
     plot: Annotated[
         Path | None,
-        typer.Option(help="Write a PNG timeline (reserved, active, pending-free band); several files: PATH-<i>.png."),
+        typer.Option(
+            help="Write a PNG timeline (reserved, active, pending-free band); several files: PATH-<file>.png, "
+            "<file> the file's name (with its folders when names repeat)."
+        ),
     ] = None,
     mkdir: Annotated[bool, typer.Option("--mkdir", help="Create the --plot file's missing folders.")] = False,
     category: Annotated[
@@ -122,6 +125,9 @@ def snapshot_report(
             limits=in_force,
         )
 
+    from bufreuse.analysis.snapshot.batch import plot_stems
+
+    stems = plot_stems([r.file for r in results])  # one plot per file, named by the file (runs of a sweep: its folder)
     failed = 0
     for i, res in enumerate(results):
         if res.error is not None or res.report is None:
@@ -141,7 +147,7 @@ def snapshot_report(
             from bufreuse.analysis.render.plots import timeline_figure
             from bufreuse.fsutil import atomic_write_bytes
 
-            out = plot if len(results) == 1 else plot.with_name(f"{plot.stem}-{i}{plot.suffix or '.png'}")
+            out = plot if len(results) == 1 else plot.with_name(f"{plot.stem}-{stems[i]}{plot.suffix or '.png'}")
             atomic_write_bytes(out, png_bytes(timeline_figure(res.timeline, title=res.file)))
             err_console.print(f"wrote {escape(str(out))}")
         elif plot is not None:

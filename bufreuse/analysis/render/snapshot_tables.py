@@ -143,14 +143,14 @@ def file_renderable(report: dict[str, Any], *, top: int = 10) -> RenderableType:
 
 
 def combined_table(combined: dict[str, Any], labels: Sequence[str] = ()) -> Table:
-    """Min / median / max of each figure over the files, naming the worst file (rank)."""
+    """Min / median / max of each figure over the files, naming the worst by the shortest path that tells the
+    files apart (``slots4/snapshot.pickle.gz``; a rank's number is in its file name)."""
     t = Table(title=f"combined over {combined['reported']} of {combined['files']} files", title_justify="left")
     for col in ("figure", "min", "median", "max", "worst"):
         t.add_column(col, justify="left" if col in ("figure", "worst") else "right")
     for name, f in combined["figures"].items():
         fmt = (lambda v: f"{int(v):,}") if not name.endswith("_bytes") else fmt_bytes
-        base = rich_text(os.path.basename(f["worst_file"]))
-        worst = f"rank {f['worst_rank']}" if f["worst_rank"] is not None else base
+        worst = rich_text(f.get("worst_label") or os.path.basename(f["worst_file"]))
         t.add_row(name.removesuffix("_bytes").replace("_", " "), fmt(f["min"]), fmt(f["median"]), fmt(f["max"]), worst)
     return t
 

@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 from bufreuse.analysis.snapshot.budget import SnapshotBudgetError, memory_for, memory_limit
@@ -34,8 +35,10 @@ __all__ = [
     "FileResult",
     "analyze_file",
     "combine",
+    "plot_stems",
     "report_file",
     "report_files",
+    "unique_labels",
     "worker_count",
 ]
 
@@ -217,9 +220,51 @@ def report_files(
 _RANK = re.compile(r"rank[_-]?(\d+)|_(\d+)(?:\.[A-Za-z0-9]+)+$")  # snap_rank3.pickle, P_base_3.pickle.gz
 
 
+def unique_labels(paths: Sequence[str]) -> list[str]:
+    """Each path's shortest run of trailing components that no other path ends in (``slots4/snapshot.pickle.gz``
+    for runs of one sweep, the file name alone when names differ); a path given twice gets ``#2``, ``#3``."""
+    parts = [PurePath(p).parts or (str(p),) for p in paths]
+    out = []
+    for mine in parts:
+        k = 1
+        while k < len(mine) and any(other != mine and other[-k:] == mine[-k:] for other in parts):
+            k += 1
+        out.append("/".join(mine[-k:]))
+    seen: dict[str, int] = {}
+    for i, label in enumerate(out):
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            out[i] = f"{label}#{seen[label]}"
+    return out
+
+
+_SNAPSHOT_SUFFIX = re.compile(r"(\.(pickle|pkl|pt))?(\.gz)?$", re.IGNORECASE)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def plot_stems(paths: Sequence[str]) -> list[str]:
+    """A file-name stem per path for its plot: its :func:`unique_labels` label less the snapshot suffix,
+    folders joined by ``-``, characters other than letters, digits, ``._-`` as ``_``; unique, never empty."""
+    stems = []
+    for label in unique_labels(paths):
+        label, _, copy = label.rpartition("#") if "#" in label.rsplit("/", 1)[-1] else (label, "", "")
+        *folders, name = label.split("/")
+        name = _SNAPSHOT_SUFFIX.sub("", name) or name
+        stem = "-".join(_UNSAFE.sub("_", x).strip("._") or "_" for x in [*folders, name])
+        stems.append(f"{stem}-{copy}" if copy else stem)
+    seen: dict[str, int] = {}
+    for i, stem in enumerate(stems):
+        seen[stem] = seen.get(stem, 0) + 1
+        if seen[stem] > 1:
+            stems[i] = f"{stem}-{seen[stem]}"
+    return stems
+
+
 def combine(results: Sequence[FileResult]) -> dict[str, Any]:
-    """Min / median / max of each figure over the files that reported, naming the worst file (rank)."""
+    """Min / median / max of each figure over the files that reported, naming the worst file (rank) by its
+    :func:`unique_labels` label (runs of a sweep share a file name: their folders tell them apart)."""
     ok = [r for r in results if r.report is not None]
+    label = dict(zip([r.file for r in results], unique_labels([r.file for r in results]), strict=True))
     figures: dict[str, Any] = {}
     for name in COMBINED_FIGURES:
         vals = [(r.report[name], r.file) for r in ok if isinstance(r.report.get(name), int)]  # type: ignore[union-attr]
@@ -232,6 +277,7 @@ def combine(results: Sequence[FileResult]) -> dict[str, Any]:
             "median": statistics.median(v for v, _ in vals),
             "max": worst[0],
             "worst_file": worst[1],
+            "worst_label": label[worst[1]],
             "worst_rank": int(m.group(1) or m.group(2)) if m else None,
         }
     return {"files": len(results), "reported": len(ok), "failed": len(results) - len(ok), "figures": figures}
