@@ -1,4 +1,4 @@
-"""Every ``--json`` of the analysis commands (and the demo's JSON files) is free of float noise.
+"""Every ``--json`` (and the JSON files the demo and ``bench --output`` write) is free of float noise.
 
 Floats pass :func:`bufreuse.analysis.render.export.json_ready` at the boundary: a non-whole float keeps
 10 significant digits, so ``(8297.6 + 8297.7) / 2`` prints ``8297.65``, not ``8297.650000000001``.
@@ -94,3 +94,80 @@ def test_demo_json_files_are_free_of_float_noise(tmp_path: Path) -> None:
     assert files
     for f in files:
         assert _noisy(json.loads(f.read_text())) == [], f
+
+
+NOISE = (8297.6 + 8297.7) / 2  # 8297.650000000001
+
+
+def test_check_config_json_is_free_of_float_noise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bufreuse.integrations.check_file as cf
+
+    real = cf.check_file
+
+    class Noisy:  # the real report, plus a float the way a median or a ratio comes out
+        def __init__(self, report: Any) -> None:
+            self.report = report
+
+        def to_dict(self) -> dict[str, Any]:
+            return {**self.report.to_dict(), "figure": NOISE}
+
+    monkeypatch.setattr(cf, "check_file", lambda *a, **k: Noisy(real(*a, **k)))
+    p = tmp_path / "args.txt"
+    p.write_text("--num-layers 8\n--hidden-size 1024\n--moe-hybridep-reuse-dispatch-output-buffers\n")
+    res = runner.invoke(app, ["check-config", str(p), "--json"])
+    assert res.exit_code in (0, 1), res.output
+    data = json.loads(res.stdout)
+    assert data["figure"] == 8297.65 and "requirements" in data and _noisy(data) == []
+
+
+@pytest.mark.parametrize("which", ["pool", "layer"])
+def test_bench_json_and_output_file_are_free_of_float_noise(
+    which: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bufreuse.bench.layer_bench as lb
+    import bufreuse.bench.pool_bench as pb
+
+    result = {"cpu_tensors": True, "rows": [{"name": "ring", "us_per_pair": NOISE, "ratio": 0.1 + 0.2, "n": 3}]}
+    target, fn = (pb, "run_pool_bench") if which == "pool" else (lb, "run_layer_bench")
+    monkeypatch.setattr(target, fn, lambda cfg, progress=None: result)
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["bench", which, "--device", "cpu", "--json", "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    for data in (json.loads(res.stdout), json.loads(out.read_text())):
+        assert data["rows"][0] == {"name": "ring", "us_per_pair": 8297.65, "ratio": 0.3, "n": 3}
+        assert _noisy(data) == []
+    assert _noisy(result)  # positive control: what the bench returned was noisy
+
+
+def test_sweep_json_is_free_of_float_noise(tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(SWEEP, tmp_path / "sweep-h200")
+    median = json.loads((SWEEP / "slots4" / "metrics.json").read_text())["step_ms"]["median"]
+    assert median == 45.14259147644043 and _noisy(median)  # positive control: the recorded figure is noisy
+    args = ["sweep", "--slots", "0,2,4,10", "--modes", "stream-ordered", "--root", str(tmp_path),
+            "--name", "sweep-h200", "--timeout", "120", "--json"]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    payload = json.loads(res.stdout)
+    rows = {r["config_id"]: r for r in payload["rows"]}
+    assert rows["slots4"]["step_ms"] == 45.14259148 and rows["slots4"]["step_delta_pct"] is not None
+    assert _noisy(payload) == []
+
+
+def test_sweep_status_and_cancel_json_pass_the_boundary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No float in these payloads today; they go through the same encoder, so one added later is cut too."""
+    import shutil
+
+    import bufreuse.analysis.render.export as export
+
+    seen: list[Any] = []
+    real = export.json_text
+    monkeypatch.setattr(export, "json_text", lambda obj, **k: seen.append(obj) or real(obj, **k))
+    folder = tmp_path / "sweep-h200"
+    shutil.copytree(SWEEP, folder)
+    for option in ("--status", "--cancel"):
+        res = runner.invoke(app, ["sweep", option, str(folder), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["folder"] == str(folder) == seen[-1]["folder"]
+    assert len(seen) == 2 and "states" in seen[0] and "cancelled" in seen[1]

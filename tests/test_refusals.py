@@ -164,6 +164,15 @@ def test_unknown_args_file_flags_are_reported(tmp_path: Path, work: Path) -> Non
     assert "warning:" not in _ran_past_validation(["check-config", str(p)], work)
 
 
+def test_unknown_flag_and_a_bad_value_end_in_one_error_line(tmp_path: Path, work: Path) -> None:
+    """A bad file is refused in its one error line: the unknown-flag warning is not printed before it."""
+    p = tmp_path / "args.txt"
+    p.write_text("--num-layers 8\n--num-experts x\n--not-a-flag 3\n")
+    refused(["check-config", str(p)], work, match="num_experts is a str")
+    p.write_text("--num-layers 8\n--num-experts 8\n--not-a-flag 3\n")  # control: the value fixed, the warning stays
+    assert "warning:" in _ran_past_validation(["check-config", str(p)], work)
+
+
 @pytest.mark.parametrize("bad", [-5 * 2**20, math.nan, 1.5])
 def test_metrics_with_a_bad_size_is_refused_alone(tmp_path: Path, work: Path, bad: float) -> None:
     m = make_metrics("slots4")

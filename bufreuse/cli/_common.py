@@ -134,12 +134,6 @@ def unknown_flags_text(file: str | os.PathLike[str]) -> str:
     )
 
 
-def warn_unknown_flags(file: str | os.PathLike[str]) -> None:
-    """Print :func:`unknown_flags_text` as one ``warning:`` line (none: nothing)."""
-    if text := unknown_flags_text(file):
-        print_error(text, label="warning")
-
-
 def report_exception(e: BaseException) -> int:
     """Print ``e`` as one line on stderr and return its exit code (2 bad input, 1 failed check or bug)."""
     if isinstance(e, BufreuseError):

@@ -8,7 +8,6 @@ shows the live job table (rich, on stderr) while jobs run, and answers ``--statu
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from dataclasses import asdict
@@ -134,10 +133,12 @@ def show_status(folder: str | Path, *, json_out: bool = False) -> dict[str, str]
     rows = launcher.poll(sweep) if hasattr(launcher, "poll") else None
     states = {r.config_id: r.state for r in rows} if rows is not None else launcher.status(sweep)
     if json_out:
+        from bufreuse.analysis.render.export import json_text
+
         payload: dict[str, Any] = {"folder": str(sweep.folder), "launcher": launcher.name, "states": states}
         if rows is not None:
             payload["jobs"] = [asdict(r) for r in rows]
-        console.print_json(json.dumps(payload))
+        console.print_json(json_text(payload))
     elif rows is not None:
         console.print(job_table(rows, title=escape(f"sweep {sweep.folder} (SLURM)")))
     else:
@@ -158,7 +159,9 @@ def cancel_sweep(folder: str | Path, *, json_out: bool = False) -> list[str]:
     launcher = _launcher_for(sweep)
     cancelled = launcher.cancel(sweep)
     if json_out:
-        console.print_json(json.dumps({"folder": str(sweep.folder), "cancelled": cancelled}))
+        from bufreuse.analysis.render.export import json_text
+
+        console.print_json(json_text({"folder": str(sweep.folder), "cancelled": cancelled}))
     elif cancelled:
         console.print(escape(f"cancelled {len(cancelled)} configuration(s): {', '.join(cancelled)}"))
     else:

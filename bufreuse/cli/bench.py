@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -80,11 +79,14 @@ def pool(
         with progress_bar("probing events") as tick:
             result["external_events"] = probe(progress=tick)
     if output is not None:
+        from bufreuse.analysis.render.export import json_ready
         from bufreuse.fsutil import atomic_write_json
 
-        atomic_write_json(output, result)
+        atomic_write_json(output, json_ready(result))
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        from bufreuse.analysis.render.export import json_text
+
+        typer.echo(json_text(result, indent=2))
     else:
         _render(result)
 
@@ -179,16 +181,19 @@ def layer(
     with progress_bar("bench layer rounds") as tick:
         result = run_layer_bench(cfg, progress=tick)
     if output is not None:
+        from bufreuse.analysis.render.export import json_ready
         from bufreuse.fsutil import atomic_write_json
 
-        atomic_write_json(output, result)
+        atomic_write_json(output, json_ready(result))
     if plot is not None:
         from bufreuse.analysis.render.plots import layer_bench_figure
         from bufreuse.cli._common import write_figure
 
         write_figure(plot, layer_bench_figure(result))
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        from bufreuse.analysis.render.export import json_text
+
+        typer.echo(json_text(result, indent=2))
     else:
         from bufreuse.analysis.render.bench_tables import layer_bench_renderable
 

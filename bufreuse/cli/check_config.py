@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from bufreuse.cli._common import console, handle_errors, torch_version_option, warn_unknown_flags
+from bufreuse.cli._common import console, handle_errors, print_error, torch_version_option, unknown_flags_text
 from bufreuse.cli._validate import dim
 
 __all__ = ["register"]
@@ -40,7 +39,7 @@ def check_config(
     from bufreuse.integrations.check_file import check_file
 
     judged = torch_assumption(torch_version)
-    warn_unknown_flags(file)
+    warning = unknown_flags_text(file)
     report = check_file(
         file,
         assume_enabled=assume_enabled,
@@ -48,6 +47,8 @@ def check_config(
         micro_batch_size=micro_batch_size,
         torch_version=judged,
     )
+    if warning:  # after the file passed: bad input ends in its one error line, not a warning and an error
+        print_error(warning, label="warning")
     data = report.to_dict()
     if not data["enabled"]:
         data["ok"] = False
@@ -55,7 +56,9 @@ def check_config(
             "moe_hybridep_num_expert_output_buffers, or pass --assume-enabled)"
         )
     if json_out:
-        typer.echo(json.dumps(data))
+        from bufreuse.analysis.render.export import json_text
+
+        typer.echo(json_text(data))
     else:
         _render(file, data)
     if not data["ok"]:

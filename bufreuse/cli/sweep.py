@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Annotated, Any
 
@@ -267,6 +266,8 @@ def register(app: typer.Typer) -> None:
             plots = write_figures(result.folder, sweep_figures(rows))
         mismatched = checksum_mismatches(rows)
         if json_out:
+            from bufreuse.analysis.render.export import json_text
+
             payload = {
                 "folder": result.folder,
                 "launcher": result.launcher,
@@ -276,7 +277,7 @@ def register(app: typer.Typer) -> None:
                 "plots": [str(p) for p in plots],
                 "checksums_match": not mismatched,
             }
-            console.print_json(json.dumps(payload))
+            console.print_json(json_text(payload))
         else:
             console.print(sweep_table(rows, title=f"sweep {escape(str(result.folder))}"))
             for p in plots:
