@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -70,39 +69,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 # -- CPU shims (megatron-core 0.19.2 lines that assume CUDA; module docstring) ---------------------------------
 
 
-def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
-    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` without the CUDA side stream: the same host
-    conversions (splits to numpy) at ``cuda_dtoh_point``."""
-    import torch
-
-    def host(t: Any, as_numpy: bool = False) -> Any:
-        if torch.is_tensor(t):
-            t = t.cpu()
-            return t.numpy() if as_numpy else t
-        return t
-
-    if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        tokens_per_expert = host(tokens_per_expert)
-        self.input_splits = host(self.input_splits, True)
-        self.output_splits = host(self.output_splits, True)
-        self.output_splits_tp = host(self.output_splits_tp, True)
-        self.num_out_tokens = host(self.num_out_tokens)
-        if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
-            self.num_global_tokens_per_local_expert = host(self.num_global_tokens_per_local_expert)
-    return tokens_per_expert
-
-
 def apply_cpu_shims() -> None:
-    import torch
-    from megatron.core.tensor_parallel import mappings
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+    """The EP harness's shims (``tests/ep_harness.py``: each names the megatron-core line it stands in for): the
+    dry run on CPU takes them from the tests, where every CPU shim lives, rather than a copy."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ep_harness import apply_shims
 
-    proxy = types.ModuleType("torch_for_megatron_mappings")
-    cuda = types.SimpleNamespace(current_device=lambda: torch.device("cpu"))
-    proxy.__getattr__ = lambda name: cuda if name == "cuda" else getattr(torch, name)  # type: ignore[method-assign]
-    mappings.torch = proxy
-    D.cuda_dtoh_stream = object()
-    D._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+    apply_shims("cpu")
 
 
 # -- one arm ----------------------------------------------------------------------------------------------------
