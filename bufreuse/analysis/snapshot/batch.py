@@ -230,12 +230,7 @@ def unique_labels(paths: Sequence[str]) -> list[str]:
         while k < len(mine) and any(other != mine and other[-k:] == mine[-k:] for other in parts):
             k += 1
         out.append("/".join(mine[-k:]))
-    seen: dict[str, int] = {}
-    for i, label in enumerate(out):
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
-            out[i] = f"{label}#{seen[label]}"
-    return out
+    return _number_repeats(out, "#")
 
 
 _SNAPSHOT_SUFFIX = re.compile(r"(\.(pickle|pkl|pt))?(\.gz)?$", re.IGNORECASE)
@@ -252,12 +247,17 @@ def plot_stems(paths: Sequence[str]) -> list[str]:
         name = _SNAPSHOT_SUFFIX.sub("", name) or name
         stem = "-".join(_UNSAFE.sub("_", x).strip("._") or "_" for x in [*folders, name])
         stems.append(f"{stem}-{copy}" if copy else stem)
+    return _number_repeats(stems, "-")
+
+
+def _number_repeats(names: list[str], sep: str) -> list[str]:
+    """``names`` with the second and later copies of a name suffixed ``{sep}2``, ``{sep}3``, ..."""
     seen: dict[str, int] = {}
-    for i, stem in enumerate(stems):
-        seen[stem] = seen.get(stem, 0) + 1
-        if seen[stem] > 1:
-            stems[i] = f"{stem}-{seen[stem]}"
-    return stems
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(f"{name}{sep}{seen[name]}" if seen[name] > 1 else name)
+    return out
 
 
 def combine(results: Sequence[FileResult]) -> dict[str, Any]:
