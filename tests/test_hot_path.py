@@ -9,6 +9,7 @@ both rings unused (the first tests check that); the rest ring the expert FC2 out
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -635,40 +636,17 @@ def test_a_module_hook_added_late_that_saves_the_slot_defers_its_release(paralle
     release waits for that saved tensor: the ring does not hand the slot out again while it lives (two later calls
     use the other slot), and the kept output's backward reads the data it saved. Outputs, input gradients and the
     kept output's gradient are bit-equal to the bare layer's running the same hook."""
-    clean, later = 6, 2
 
     def run(pool: BufferPool | None) -> tuple[list, torch.Tensor, dict]:
-        layer = _layer(1)
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def save_input(module, args):
-            leaf = args[0].detach().requires_grad_(True)  # the slot's storage, a leaf whose gradient we read
-            kept.append((leaf, _SaveInput.apply(leaf)))
-
-        out, seen = [], {}
-        ctx = install(layer, pool, _knobs(), tokens=TOKENS, ring_identity_dispatch=True) if pool else _nullcontext()
-        with ctx:
-            out += [_step(layer, s) for s in range(clean)]
-            handle = layer.experts.register_forward_pre_hook(save_input)
-            out.append(_step(layer, clean))
-            handle.remove()
-            if pool is not None:
-                ring = pool.get(DISPATCH)
-                index = ring.slot_of(kept[0][0])
-                generation = ring._slots[index].generation
-                seen["held after the call"] = ring.held
-            out += [_step(layer, clean + 1 + s) for s in range(later)]
-            if pool is not None:
-                slot = ring._slots[index]
-                seen["still held"] = slot.live is not None and slot.generation == generation
-                seen["held"] = ring.held
-            leaf, y = kept.pop()
-            y.backward(torch.ones_like(y))  # reads what the hook saved
-            del y
-            if pool is not None:
-                seen["held at the end"] = ring.held
-                seen["deferred"] = pool.stats()[DISPATCH].deferred_releases
-        return out, leaf.grad, seen
+        return _late_save_run(
+            lambda: _layer(1),
+            pool,
+            DISPATCH,
+            lambda experts, save: experts.register_forward_pre_hook(
+                lambda module, args: save(args[0])  # the experts' input: the dispatch slot itself
+            ),
+            ring_identity_dispatch=True,
+        )
 
     ref, ref_grad, _ = run(None)
     got, grad, seen = run(BufferPool("cpu", debug=debug))
@@ -678,10 +656,47 @@ def test_a_module_hook_added_late_that_saves_the_slot_defers_its_release(paralle
     assert all(torch.equal(a, b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
 
 
-def _nullcontext():
-    import contextlib
+def _late_save_run(
+    build, pool: BufferPool | None, buffer: str, register, **install_kw
+) -> tuple[list, torch.Tensor, dict]:
+    """Six clean calls, then one with a hook (``register(layer.experts, save)``) that saves a tensor through
+    :class:`_SaveInput` whose output stays alive, two more calls, then that output's backward; the outputs, the
+    saved leaf's gradient and what ``buffer``'s ring showed along the way (bare layer: ``pool`` None)."""
+    clean, later = 6, 2
+    layer = build()
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    return contextlib.nullcontext()
+    def save(t: torch.Tensor) -> None:
+        leaf = t.detach().requires_grad_(True)  # the slot's storage, a leaf whose gradient we read
+        kept.append((leaf, _SaveInput.apply(leaf)))
+
+    out, seen = [], {}
+    ctx = install(layer, pool, _knobs(), tokens=TOKENS, **install_kw) if pool else contextlib.nullcontext()
+    with ctx as inst:
+        if pool is not None:
+            seen["rings"] = sorted(pool.names())
+            seen["unused"] = sorted(inst.unused)
+        out += [_step(layer, s) for s in range(clean)]
+        handle = register(layer.experts, save)
+        out.append(_step(layer, clean))
+        handle.remove()
+        if pool is not None:
+            ring = pool.get(buffer)
+            index = ring.slot_of(kept[0][0])
+            generation = ring._slots[index].generation
+            seen["held after the call"] = ring.held
+        out += [_step(layer, clean + 1 + s) for s in range(later)]
+        if pool is not None:
+            slot = ring._slots[index]
+            seen["still held"] = slot.live is not None and slot.generation == generation
+            seen["held"] = ring.held
+        leaf, y = kept.pop()
+        y.backward(torch.ones_like(y))  # reads what the hook saved
+        del y
+        if pool is not None:
+            seen["held at the end"] = ring.held
+            seen["deferred"] = pool.stats()[buffer].deferred_releases
+    return out, leaf.grad, seen
 
 
 def _te_fake_layer(num_experts: int):
@@ -710,44 +725,18 @@ def test_a_module_hook_that_saves_the_fc2_slot_defers_its_release_with_the_exper
     FC2 slot) through an autograd Function whose output stays alive. The slot stays held while that saved tensor
     lives (later calls take the other slot), and the kept output's backward reads the data it saved. Outputs, input
     gradients and the kept output's gradient are bit-equal to the bare layer's running the same hook."""
-    clean, later = 6, 2
     build = _layer if spec == "local" else _te_fake_layer
 
     def run(pool: BufferPool | None) -> tuple[list, torch.Tensor, dict]:
-        layer = build(8)
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def save_output(module, args, output):
-            leaf = output[0].detach().requires_grad_(True)  # the FC2 slot's storage, a leaf whose gradient we read
-            kept.append((leaf, _SaveInput.apply(leaf)))
-
-        out, seen = [], {}
-        ctx = install(layer, pool, _knobs(), tokens=TOKENS) if pool else _nullcontext()  # the expert ring only
-        with ctx as inst:
-            if pool is not None:
-                seen["rings"] = sorted(pool.names())
-                seen["unused"] = sorted(inst.unused)
-            out += [_step(layer, s) for s in range(clean)]
-            handle = layer.experts.register_forward_hook(save_output)
-            out.append(_step(layer, clean))
-            handle.remove()
-            if pool is not None:
-                ring = pool.get(EXPERT)
-                index = ring.slot_of(kept[0][0])
-                generation = ring._slots[index].generation
-                seen["held after the call"] = ring.held
-            out += [_step(layer, clean + 1 + s) for s in range(later)]
-            if pool is not None:
-                slot = ring._slots[index]
-                seen["still held"] = slot.live is not None and slot.generation == generation
-                seen["held"] = ring.held
-            leaf, y = kept.pop()
-            y.backward(torch.ones_like(y))  # reads what the hook saved
-            del y
-            if pool is not None:
-                seen["held at the end"] = ring.held
-                seen["deferred"] = pool.stats()[EXPERT].deferred_releases
-        return out, leaf.grad, seen
+        # the expert ring only (install's defaults leave the dispatch ring unused here)
+        return _late_save_run(
+            lambda: build(8),
+            pool,
+            EXPERT,
+            lambda experts, save: experts.register_forward_hook(
+                lambda module, args, output: save(output[0])  # the experts' output: the FC2 slot
+            ),
+        )
 
     ref, ref_grad, _ = run(None)
     got, grad, seen = run(BufferPool("cpu", debug=debug))
