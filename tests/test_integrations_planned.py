@@ -36,12 +36,16 @@ ISSUE_ARGS = """\
 
 
 def _model():
+    return _moe_layers(LAYERS, num_layers=LAYERS, cuda_graph_impl="full_iteration")
+
+
+def _moe_layers(count: int, **config: object):
+    """``count`` MoE layers of the local spec (seeded, CPU-initialised, padded all-to-all) with ``config`` on top."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
     cfg = TransformerConfig(
-        num_layers=LAYERS,
         hidden_size=HIDDEN,
         ffn_hidden_size=64,
         num_attention_heads=4,
@@ -52,10 +56,10 @@ def _model():
         add_bias_linear=False,
         moe_expert_capacity_factor=1.0,
         moe_pad_expert_input_to_capacity=True,
-        cuda_graph_impl="full_iteration",
+        **config,
     )
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp
-    return torch.nn.ModuleList([spec(config=cfg) for _ in range(LAYERS)])
+    return torch.nn.ModuleList([spec(config=cfg) for _ in range(count)])
 
 
 def _knobs(slots: int) -> BufReuseConfig:
@@ -169,27 +173,12 @@ def test_an_unused_ep1_dispatch_ring_is_not_planned_or_refused(parallel):
 def _stage_model(pp: int, layers_per_stage: int):
     """One pipeline stage's MoE layers of a ``pp``-stage model (the config says PP = ``pp``; a gloo world of one
     runs them)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(0)
-    cfg = TransformerConfig(
+    return _moe_layers(
+        layers_per_stage,
         num_layers=pp * layers_per_stage,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        moe_expert_capacity_factor=1.0,
-        moe_pad_expert_input_to_capacity=True,
     )
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp
-    return torch.nn.ModuleList([spec(config=cfg) for _ in range(layers_per_stage)])
 
 
 def test_install_plans_the_pipeline_rank_it_is_given(parallel):
