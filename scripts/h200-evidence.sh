@@ -32,7 +32,7 @@ t0=$SECONDS
 log() { echo "== $(date -u +%H:%M:%S) (+$((SECONDS - t0)) s) $*" | tee -a "$work/timeline.txt"; }
 
 te_env() {
-  # .txt, not .log: the A/B folders go to examples/ whole, where every *.log is read as a Megatron run
+  # .txt, not .log: the A/B folders go to docs/recordings/ whole, where every *.log is read as a Megatron run
   bash scripts/device-te.sh install >"$work/te-install.txt" 2>&1 || log "TE install failed (see te-install.txt)"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} BUFREUSE_REQUIRE_TE=1
   # shellcheck source=scripts/device-env.sh

@@ -156,7 +156,7 @@ def test_compare_seed_pair_without_bound_explains_only_with_slot_size(tmp_path: 
     assert "expert_fc2_output 4 × 539 MiB = +2156 MiB" in comp.explanation
 
 
-H200_PAIR = Path(__file__).resolve().parents[1] / "examples" / "megatron-h200" / "h200-2026-12-02"
+H200_PAIR = Path(__file__).resolve().parents[1] / "docs" / "recordings" / "megatron-h200" / "h200-2026-12-02"
 
 
 def _args_file(log: Path, dst: Path) -> Path:
@@ -450,7 +450,7 @@ def test_resolve_sweep_flops_per_step_gives_per_step_throughput(tmp_path: Path) 
     assert all(m.metric != "tflops" for m in comp.metrics)
 
 
-H200_TE = Path(__file__).parents[1] / "examples" / "megatron-h200" / "h200-2026-12-03-te"
+H200_TE = Path(__file__).parents[1] / "docs" / "recordings" / "megatron-h200" / "h200-2026-12-03-te"
 
 
 @pytest.mark.parametrize("family", ["te", "te-fp8"])

@@ -8,7 +8,7 @@ from pathlib import Path
 from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDED = ROOT / "examples" / "megatron-h200" / "h200-2026-12-02"
+RECORDED = ROOT / "docs" / "recordings" / "megatron-h200" / "h200-2026-12-02"
 cl = load_script("compare_losses")
 
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDED = [
     ROOT / "tests/data/logs/slurm-2796012.out",
     ROOT / "tests/data/logs/slurm-2796654.out",
-    *sorted((ROOT / "examples/megatron-h200").glob("*/*.log")),
+    *sorted((ROOT / "docs/recordings/megatron-h200").glob("*/*.log")),
 ]
 _COLUMNS = 3 + 4 + 2 + 1  # iteration, train_iters, line; four optional figures; two counts; window
 

@@ -15,7 +15,7 @@ import pytest
 from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDED = ROOT / "examples" / "megatron-h200" / "h200-2026-12-03-te"
+RECORDED = ROOT / "docs" / "recordings" / "megatron-h200" / "h200-2026-12-03-te"
 summ = load_script("megatron_ab_summary")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -213,7 +213,7 @@ def test_between_rounds_interval() -> None:
     assert two["ci95_pct"] == [None, None] and two["verdict"] == "inconclusive"
 
 
-SESSIONS = [ROOT / "examples" / "megatron-h200" / d for d in ("h200-2026-12-04", "h200-2026-12-04-pm")]
+SESSIONS = [ROOT / "docs" / "recordings" / "megatron-h200" / d for d in ("h200-2026-12-04", "h200-2026-12-04-pm")]
 
 
 def _ratios_from_compare(out: Path, family: str) -> list[float]:
@@ -252,7 +252,7 @@ def test_pool_of_two_recorded_sessions(tmp_path: Path, family: str, t95: float, 
 def test_pool_of_three_recorded_sessions_resolves_fp8(tmp_path: Path) -> None:
     """The evening's ten FP8 rounds resolve the eager FP8 A/B: parity alone and pooled (17 rounds), from the
     compare outputs and t quantiles written here (df 9: 2.262, df 16: 2.120)."""
-    fam, eve = "gb4-te-fp8-pad", ROOT / "examples" / "megatron-h200" / "h200-2026-12-04-eve"
+    fam, eve = "gb4-te-fp8-pad", ROOT / "docs" / "recordings" / "megatron-h200" / "h200-2026-12-04-eve"
     folders = [*SESSIONS, eve]
     assert summ.main(["--family", fam, "--pool", *map(str, folders), "--json", str(tmp_path / "p.json")]) == 0
     p = json.loads((tmp_path / "p.json").read_text())

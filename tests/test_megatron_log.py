@@ -165,12 +165,12 @@ def test_parse_truncated_log_never_reads_a_cut_number(cut: int) -> None:
 
 
 def test_real_h200_megatron_lm_logs_parse_with_identical_losses() -> None:
-    """The real pretrain_gpt.py runs (examples/megatron-h200): rings train exactly like the control."""
+    """The real pretrain_gpt.py runs (docs/recordings/megatron-h200): rings train exactly like the control."""
     from pathlib import Path
 
     from bufreuse.analysis.runs.megatron_log import parse_log
 
-    folder = Path(__file__).resolve().parent.parent / "examples" / "megatron-h200" / "h200-2026-12-02"
+    folder = Path(__file__).resolve().parent.parent / "docs" / "recordings" / "megatron-h200" / "h200-2026-12-02"
     control, rings = (parse_log(folder / f"{n}.log") for n in ("control", "rings"))
     assert [it.iteration for it in control.iterations] == [it.iteration for it in rings.iterations]
     assert len(control.iterations) == 9  # iteration 1, then every 2nd (--log-interval 2)
