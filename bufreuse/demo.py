@@ -29,8 +29,9 @@ from bufreuse.analysis.render.export import csv_text, json_ready, png_bytes, ren
 from bufreuse.analysis.render.plots import comparison_figures, sweep_figures, timeline_figure
 from bufreuse.analysis.render.snapshot_tables import file_renderable, snapshots_table
 from bufreuse.analysis.render.sweep_tables import sweep_table
-from bufreuse.analysis.runs.compare import ComparisonResult, compare_specs
+from bufreuse.analysis.runs.compare import ComparisonResult, compare_runs
 from bufreuse.analysis.runs.record import MIB
+from bufreuse.analysis.runs.resolve import resolve_runs
 from bufreuse.analysis.runs.sweep_rows import load_sweep_rows
 from bufreuse.analysis.snapshot.batch import analyze_file
 from bufreuse.analysis.snapshot.report import ReportConfig
@@ -248,7 +249,10 @@ def _compare_in(sweep: SweepDir) -> ComparisonResult:
     finished = [c for c in feature if sweep.paths(c).read_metrics() is not None]
     if not finished:
         raise InputError(f"{sweep.folder}: no finished feature configuration")
-    return compare_specs([str(sweep.folder / c) for c in [control, *finished]])
+    runs = resolve_runs([str(sweep.folder / c) for c in [control, *finished]])
+    for run in runs[1:]:
+        run.named = False  # the whole sweep: a failed run stays a labelled row of it
+    return compare_runs(runs)
 
 
 def _mib(v: Any) -> str:

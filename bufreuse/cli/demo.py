@@ -66,13 +66,25 @@ def demo(
 
 
 def _check_examples(source: Path) -> None:
-    """Read every sweep's manifest (and its configuration ids) first: a broken one refuses the demo before
-    any table or plot is written, instead of after the snapshot reports."""
+    """Read every sweep's manifest (and its configuration ids) and every finished run's metrics first: a broken
+    one refuses the demo before any table or plot is written, instead of after the snapshot reports. A
+    metrics.json whose figures are no measurement (a wrong type, NaN) is a recording the demo would compare into
+    no comparison: one error line, exit 2 (``compare`` over a whole sweep keeps it as a labelled failed row)."""
     from bufreuse.demo import find_sweeps
+    from bufreuse.errors import InputError
+    from bufreuse.fsutil import read_json
+    from bufreuse.sweepdir import STATUSES, metrics_problem
 
     for sweep in find_sweeps(source):
         for cid in sweep.config_ids():
-            sweep.paths(cid)
+            paths = sweep.paths(cid)
+            try:
+                metrics = read_json(paths.metrics)
+            except (OSError, ValueError):
+                continue  # not finished: the demo reports it as such
+            finished = isinstance(metrics, dict) and metrics.get("status") in STATUSES
+            if finished and (problem := metrics_problem(metrics)):
+                raise InputError(f"{paths.metrics}: refused: {problem}: {cid} would yield no comparison")
 
 
 def register(app: typer.Typer) -> None:

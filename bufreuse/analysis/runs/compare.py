@@ -129,6 +129,9 @@ def compare_runs(
                 )
     stats = {r.label: run_stats(r) for r in runs}
     comparisons = [_compare_one(base, run, stats, bands, seed) for run in runs[1:]]
+    for run, comp in zip(runs[1:], comparisons, strict=True):
+        if run.named and not any(m.verdict != "n/a" for m in comp.metrics):
+            raise InputError(f"{run.label} yields no comparison with {base.label}: {_why_none(base, run, comp)}")
     return ComparisonResult(
         baseline=base.label, bands=bands, warmup=warmup, runs=runs, stats=stats, comparisons=comparisons
     )
@@ -146,6 +149,17 @@ def compare_specs(
     """Resolve ``specs`` (labels, folders, logs, snapshots) and compare them, the first as baseline."""
     runs = resolve_runs(specs, root=root, warmup=warmup)
     return compare_runs(runs, bands=bands, slot_bytes=slot_bytes, warmup=warmup, force=force)
+
+
+def _why_none(base: RunRecord, run: RunRecord, comp: RunComparison) -> str:
+    """Why a run has no metric judged against the baseline: its status, or no figure in common."""
+    if run.status != "ok":
+        why = next((w for w in run.warnings if w.startswith("status ")), None)
+        return why or f"status {run.status}"
+    have = {m.metric for m in comp.metrics if m.value is not None}
+    wanted = {m.metric for m in comp.metrics if m.baseline is not None}
+    shown = ", ".join(sorted(have)) or "none"
+    return f"no figure in common (baseline has {', '.join(sorted(wanted)) or 'none'}; this run has {shown})"
 
 
 def _apply_slot_bytes(run: RunRecord, slot_bytes: dict[str, int]) -> None:

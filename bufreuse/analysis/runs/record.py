@@ -61,6 +61,10 @@ class RunRecord:
     job_id: str | None = None
     dropped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    named: bool = True
+    """The user named this run itself (a file, a configuration folder, a label such as ``slots4``); False for a
+    run that came with a group (a whole sweep folder, ``feature``). A named run that yields no comparison is an
+    error; a run of a group stays a labelled failed row."""
 
     @property
     def node_list(self) -> list[str] | None:

@@ -64,7 +64,7 @@ def _from_path(path: Path, warmup: int) -> list[RunRecord]:
     if path.is_dir():
         if SweepDir(path).exists():
             sweep = SweepDir(path)
-            return [_from_config(sweep.paths(cid), cid, required=False) for cid in sweep.config_ids()]
+            return [_from_config(sweep.paths(cid), cid, required=False, named=False) for cid in sweep.config_ids()]
         if (path / "metrics.json").is_file() or (path / "config.json").is_file():
             return [_from_config(ConfigPaths(path), path.name)]
         return [_from_megatron_folder(path, warmup)]
@@ -101,7 +101,8 @@ def _from_label(label: str, root: str | os.PathLike[str] | None) -> list[RunReco
             f"unknown label {label!r}: not a path, not 'control'/'feature', "
             f"and not a configuration of {sweep.folder} ({', '.join(ids)})"
         )
-    return [_from_config(sweep.paths(cid), cid, required=label != "feature") for cid in chosen]
+    group = label == "feature"
+    return [_from_config(sweep.paths(cid), cid, required=not group, named=not group) for cid in chosen]
 
 
 def _control_id(ids: list[str]) -> str | None:
@@ -110,7 +111,7 @@ def _control_id(ids: list[str]) -> str | None:
     return next((c for c in ids if c.startswith("slots0")), None)
 
 
-def _from_config(paths: ConfigPaths, label: str, *, required: bool = True) -> RunRecord:
+def _from_config(paths: ConfigPaths, label: str, *, required: bool = True, named: bool = True) -> RunRecord:
     """One configuration; an unfinished one is an error when named alone, a ``pending`` run in a group."""
     if not paths.folder.is_dir() and required:
         raise InputError(f"{paths.folder}: no such configuration folder")
@@ -118,10 +119,10 @@ def _from_config(paths: ConfigPaths, label: str, *, required: bool = True) -> Ru
     if metrics is None:
         if required:
             raise InputError(f"{paths.folder}: no finished metrics.json (run or resume the sweep first)")
-        run = RunRecord(label=label, source=paths.folder, kind="sweep", status="pending")
+        run = RunRecord(label=label, source=paths.folder, kind="sweep", status="pending", named=named)
         run.warnings.append("no metrics.json yet: still running, or never run")
         return run
-    run = RunRecord(label=label, source=paths.folder, kind="sweep", status=str(metrics["status"]))
+    run = RunRecord(label=label, source=paths.folder, kind="sweep", status=str(metrics["status"]), named=named)
     if run.status != "ok":
         run.warnings.append(f"status {run.status}: {metrics.get('error') or 'no error message'}")
         return run
