@@ -14,7 +14,10 @@ It reads one control snapshot once and joins what the project already computes:
 buffer's ring would be unused by the config (:func:`bufreuse.config.unused_rings`, the rule ``install()`` and
 the planner use: all-to-all at EP = 1 for the dispatch, at EP x expert TP = 1 for the FC2 output). "Cannot
 tell" when no MoE buffer is seen but some waiting blocks carry no frames (recorded without stacks, or
-allocated before the trace began): what they are cannot be read, so absence is not shown.
+allocated before the trace began): what they are cannot be read, so absence is not shown. "Cannot tell" too
+when the snapshot has no trace and its final state shows no MoE buffer waiting (the max-active point is
+unknown), and when a run that died of out-of-memory shows none or no gain (the trace stops where it died); an
+out-of-memory death is a caveat beside any verdict (the peaks are lower bounds).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class Advice:
     flags: list[str] = field(default_factory=list)
     gain: bool = False
     verdict: str = ""
+    oom_events: int = 0
+    """Out-of-memory events in the trace: the run died, its peaks are lower bounds and the trace stops early."""
+    caveats: list[str] = field(default_factory=list)
+    """What qualifies the verdict (an out-of-memory death), stated beside it."""
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -92,6 +99,8 @@ class Advice:
             "flags": self.flags,
             "gain": self.gain,
             "verdict": self.verdict,
+            "oom_events": self.oom_events,
+            "caveats": self.caveats,
             "warnings": self.warnings,
         }
 
@@ -169,7 +178,14 @@ def _join(
             if g["site"] in (NO_FRAMES_SITE, BEFORE_TRACE_SITE)
         ],
         warnings=list(report["warnings"]),
+        oom_events=len(report.get("oom_events") or []),
     )
+    if adv.oom_events:
+        adv.caveats.append(
+            f"the run ran out of memory ({adv.oom_events} out-of-memory event{'s' if adv.oom_events > 1 else ''} in "
+            "the trace): its max reserved and max active are lower bounds, and the trace stops where it died, so "
+            "what a full step would hold is not in it"
+        )
     unread = _frameless_text(adv.frameless)
     wanted = sorted({CATEGORY_BUFFER[s["category"]] for s in moe}, key=list(BUFFERS).index)
     if check is not None:
@@ -195,11 +211,25 @@ def _join(
                 )
             fields = {**fields, "moe_bufreuse_keep_unused_rings": True}
             unused = structural
+    if not moe and not adv.recording:
+        adv.verdict = (
+            "cannot tell: the snapshot has no trace (recording was off), so the max-active point is unknown; its final "
+            "state shows no MoE buffer pending free, which says nothing about the peak (record with "
+            "torch.cuda.memory._record_memory_history() before the run)"
+        )
+        return adv
     if not moe and unread:
         adv.verdict = f"cannot tell: {unread}, so whether MoE buffers wait in the pending-free queue is unknown"
         return adv
     if unread:
         adv.warnings.append(f"{unread}: the MoE figures count only the blocks with frames and may be low")
+    if not moe and adv.oom_events:
+        adv.verdict = (
+            "cannot tell: no MoE buffer waits in the pending-free queue at the max-active point of what ran, but the "
+            "run died of out-of-memory, possibly before its MoE layers ran a full step (record a run that finishes, "
+            "e.g. with a smaller batch)"
+        )
+        return adv
     if not moe:
         adv.verdict = (
             "nothing to gain here: no MoE buffer (dispatch or expert output) waits in the pending-free queue at the "
@@ -318,7 +348,13 @@ def _verdict(adv: Advice) -> None:
         return
     if at is None:
         adv.gain = True
-        adv.verdict = f"{mib:,.0f} MiB of MoE buffers wait pending-free at max active; no prediction without a trace"
+        if adv.recording:
+            adv.verdict = f"{mib:,.0f} MiB of MoE buffers wait pending-free at max active; no prediction"
+        else:
+            adv.verdict = (
+                f"{mib:,.0f} MiB of MoE buffers wait pending-free in the snapshot's final state; no trace, so the "
+                "max-active point and a prediction are unknown (record with torch.cuda.memory._record_memory_history())"
+            )
         return
     change = at["change"]
     adv.gain = change is not None and change < 0
@@ -327,6 +363,12 @@ def _verdict(adv: Advice) -> None:
         adv.verdict = (
             f"turn it on: {mib:,.0f} MiB of MoE buffers wait pending-free at max active; at {at['slots']} slot(s) "
             f"what-if predicts {saved:,.0f} MiB less max reserved ({change:+.1%})"
+        )
+    elif adv.oom_events:
+        adv.verdict = (
+            f"cannot tell: {mib:,.0f} MiB of MoE buffers wait pending-free, and what-if predicts {-saved:+,.0f} MiB "
+            f"max reserved ({change:+.1%}) at {at['slots']} slot(s), but only over the part of the run before it died "
+            "of out-of-memory"
         )
     else:
         adv.verdict = (

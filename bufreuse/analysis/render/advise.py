@@ -28,6 +28,7 @@ def advice_renderable(a: Advice) -> RenderableType:
             + ("" if a.recording else "; final state only (no trace)")
         ),
     ]
+    parts += [Text.from_markup(f"[bold yellow]caveat:[/] {escape(c)}") for c in a.caveats]
     if a.moe_sites:
         t = Table(title="MoE buffers pending free at max active", title_justify="left", pad_edge=False)
         for col, just in (("buffer", "left"), ("count", "right"), ("size", "right"), ("total", "right"),

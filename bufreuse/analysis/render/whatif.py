@@ -123,6 +123,7 @@ def diff_renderable(diff: SnapshotDiff, *, top: int = 15) -> RenderableType:
     ):
         head.add_row(name, fmt_bytes(va), fmt_bytes(vb), _delta(vb - va), _pct((vb - va) / va) if va else "-")
     parts: list[RenderableType] = [head]
+    parts += [Text(f"caveat: {c}", style="bold yellow") for c in diff.caveats]  # qualifies every delta below
     unit = {"reserved": "segments", "active": "blocks", "pending": "blocks"}
     for m in MEASURES:
         rows = sorted((r for r in diff.rows if r.a[m][0] or r.b[m][0]), key=lambda r: (-abs(r.delta(m)), r.site))

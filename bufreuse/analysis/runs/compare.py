@@ -19,7 +19,15 @@ from bufreuse.analysis.runs.comparability import config_caveats, scope_conflict
 from bufreuse.analysis.runs.record import RunRecord
 from bufreuse.analysis.runs.resolve import resolve_runs
 from bufreuse.analysis.runs.stats import bootstrap_diff, mean_diff_interval, metric_values, run_stats
-from bufreuse.analysis.runs.verdicts import Bands, MetricDelta, explain_allocated, judge, node_sets
+from bufreuse.analysis.runs.verdicts import (
+    Bands,
+    MetricDelta,
+    explain_allocated,
+    judge,
+    node_sets,
+    oom_bound,
+    oom_caveat,
+)
 from bufreuse.errors import InputError
 
 __all__ = ["ComparisonResult", "RunComparison", "compare_runs", "compare_specs"]
@@ -206,6 +214,8 @@ def _compare_one(
     comp.node_sets, caveat = node_sets(base, run)
     if caveat:
         comp.caveats.append(caveat)
+    if caveat := oom_caveat(base, run):
+        comp.caveats.append(caveat)
     bv, rv = metric_values(stats[base.label]), metric_values(stats[run.label])
     for key, (title, unit, better) in _TITLES.items():
         if bv[key] is None and rv[key] is None:
@@ -226,6 +236,7 @@ def _compare_one(
             elif key == "tflops":
                 m.n_baseline, m.n_value = 1, 1  # one reported figure a side, no spread known
             judge(m, bands, differ=comp.node_sets == "differ")
+            oom_bound(m, base, run)
         comp.metrics.append(m)
     comp.ring_bytes = run.ring_bytes
     allocated = next((x for x in comp.metrics if x.metric == "max_allocated_mib"), None)

@@ -61,6 +61,8 @@ class RunRecord:
     job_id: str | None = None
     dropped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    oom_events: int = 0
+    """Out-of-memory events the run recorded (a snapshot's trace): its memory peaks are then lower bounds."""
     named: bool = True
     """The user named this run itself (a file, a configuration folder, a label such as ``slots4``); False for a
     run that came with a group (a whole sweep folder, ``feature``). A named run that yields no comparison is an

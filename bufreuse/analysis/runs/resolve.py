@@ -264,6 +264,8 @@ def _from_snapshot(path: Path) -> RunRecord:
     run.max_reserved_bytes = _int(report.get("max_reserved_bytes"))
     run.max_active_bytes = _int(report.get("max_active_bytes"))
     run.pending_free_bytes = _int(report.get("pending_free_at_max_active_bytes"))
+    ooms = report.get("oom_events")
+    run.oom_events = len(ooms) if isinstance(ooms, list) else 0
     run.warnings.extend(str(w) for w in report.get("warnings") or [])
     return run
 

@@ -303,6 +303,7 @@ def run_stats(run: RunRecord) -> dict[str, Any]:
         "config": dict(run.config),
         "job_id": run.job_id,
         "dropped": dict(run.dropped),
+        "oom_events": run.oom_events,
         "warnings": list(run.warnings),
     }
 

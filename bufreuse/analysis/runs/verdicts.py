@@ -36,6 +36,8 @@ __all__ = [
     "join_notes",
     "judge",
     "node_sets",
+    "oom_bound",
+    "oom_caveat",
 ]
 
 VERDICTS = ("improvement", "parity", "regression", "inconclusive", "n/a")
@@ -138,6 +140,49 @@ def judge(m: MetricDelta, bands: Bands, *, differ: bool) -> None:
         m.note = join_notes(
             m.note, f"95% CI [{low:+.3g}, {high:+.3g}] {m.unit} is neither inside nor beyond the ±{m.band:.3g} band"
         )
+
+
+PEAK_METRICS = ("max_allocated_mib", "max_reserved_mib", "max_active_mib", "device_used_mib")
+"""Memory peaks: a run that died of out-of-memory reached at least its recorded peak (a lower bound)."""
+
+
+def oom_bound(m: MetricDelta, base: RunRecord, run: RunRecord) -> None:
+    """Turn a memory verdict that an out-of-memory run cannot support into ``inconclusive``, with the note.
+
+    A run that died of OOM never reached its true peak: its recorded peak is a lower bound. With only the
+    compared run dead, its true delta is at least the recorded one, so a regression stands and nothing else
+    does; with only the baseline dead, the true delta is at most the recorded one, so an improvement stands
+    and nothing else does; with both dead, no memory verdict stands. Pending-free at the max-active point of
+    a dead run is no bound either way: never claimed.
+    """
+    dead = [r.label for r in (base, run) if r.oom_events]
+    if not dead or m.unit != "MiB" or m.verdict in ("n/a", "inconclusive"):
+        return
+    stands = m.metric in PEAK_METRICS and (
+        (m.verdict == "regression" and not base.oom_events) or (m.verdict == "improvement" and not run.oom_events)
+    )
+    who = " and ".join(dead)
+    bound = "their peaks are" if len(dead) > 1 else "its peak is"
+    if stands:
+        m.note = join_notes(m.note, f"{who} ran out of memory: {bound} a lower bound, and the {m.verdict} holds "
+                                    "against it")  # fmt: skip
+        return
+    if m.metric in PEAK_METRICS:
+        why = f"{bound} only a lower bound (a dead run never reached its true peak)"
+    else:
+        why = f"a dead run's {m.title} bounds nothing either way"
+    m.note = join_notes(m.note, f"was {m.verdict}; {who} ran out of memory: {why}: no verdict")
+    m.verdict = "inconclusive"
+
+
+def oom_caveat(base: RunRecord, run: RunRecord) -> str | None:
+    """The caveat stated when either run recorded out-of-memory events, else None."""
+    dead = [f"{r.label} ({r.oom_events} out-of-memory event{'s' if r.oom_events > 1 else ''})"
+            for r in (base, run) if r.oom_events]  # fmt: skip
+    if not dead:
+        return None
+    return (f"{' and '.join(dead)} recorded: a dead run's memory peak is only a lower bound; memory verdicts it "
+            "cannot support are inconclusive")  # fmt: skip
 
 
 def node_sets(base: RunRecord, run: RunRecord) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ import numpy as np
 from bufreuse.analysis.snapshot.load import EventTable, FinalState
 from bufreuse.analysis.snapshot.load import load_snapshot as _load
 from bufreuse.analysis.snapshot.replay import Replay, pending_blocks_at, replay
-from bufreuse.analysis.snapshot.schema import ALLOC, FREE_DONE, FREE_REQ, SEG_ALLOC, SEG_FREE
+from bufreuse.analysis.snapshot.schema import ALLOC, FREE_DONE, FREE_REQ, OOM, SEG_ALLOC, SEG_FREE
 from bufreuse.analysis.snapshot.sites import SiteRules
 from bufreuse.errors import SnapshotFormatError
 
@@ -49,6 +49,8 @@ class SnapshotSide:
     by_site: dict[str, dict[str, tuple[int, int]]]
     categories: dict[str, str]
     warnings: list[str] = field(default_factory=list)
+    oom_events: int = 0
+    """Out-of-memory events in the trace: the run died, so its peaks are lower bounds."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,13 +70,31 @@ class SnapshotDiff:
     b: SnapshotSide
     rows: list[DiffRow]  # biggest change first
 
+    @property
+    def caveats(self) -> list[str]:
+        """What qualifies every delta: an out-of-memory event in either trace (a dead run's peak is a lower bound)."""
+        dead = [(name, s) for name, s in (("A", self.a), ("B", self.b)) if s.oom_events]
+        if not dead:
+            return []
+        who = " and ".join(f"{name} ({s.oom_events} out-of-memory event{'s' if s.oom_events > 1 else ''})"
+                           for name, s in dead)  # fmt: skip
+        if len(dead) == 2:
+            what = "both runs died: neither max reserved nor max active is a true peak, so no delta is a verdict"
+        else:
+            name = dead[0][0]
+            what = (f"{name} died before its true peak: its max reserved and max active are lower bounds, so a delta "
+                    f"{'above' if name == 'B' else 'below'} zero only says the true one is at least that, and any "
+                    "other delta says nothing")  # fmt: skip
+        return [f"{who} recorded: {what}"]
+
     def to_json(self) -> dict[str, Any]:
         def side(s: SnapshotSide) -> dict[str, Any]:
             return {"file": s.file, "device": s.device, "max_reserved_bytes": s.max_reserved,
                     "max_active_bytes": s.max_active, "pending_free_at_max_active_bytes": s.pending_at_max_active,
-                    "warnings": s.warnings}  # fmt: skip
+                    "oom_events": s.oom_events, "warnings": s.warnings}  # fmt: skip
 
         return {
+            "caveats": self.caveats,
             "a": side(self.a),
             "b": side(self.b),
             "delta": {
@@ -148,7 +168,7 @@ def snapshot_side(path: str | os.PathLike[str], rules: SiteRules) -> SnapshotSid
     return SnapshotSide(
         file=str(path), device=dev, max_reserved=r.max_reserved, max_active=r.max_active,
         pending_at_max_active=pending_total, by_site=by_site, categories=cats,
-        warnings=[*data.warnings, *r.warnings],
+        warnings=[*data.warnings, *r.warnings], oom_events=int(np.count_nonzero(t.action == OOM)),
     )  # fmt: skip
 
 
