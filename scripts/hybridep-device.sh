@@ -112,11 +112,14 @@ build() {
     echo "JIT links: $(ls "$CUDA_HOME"/lib64/libcudart.so* 2>/dev/null | tr '\n' ' ')"
     python3 -c 'import torch.utils.cpp_extension as c; print("ninja available:", c.is_ninja_available())'
     python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")'
-    if [ -f "$SITE/.built-$COMMIT" ] && ls "$SITE"/hybrid_ep_cpp*.so >/dev/null 2>&1; then
+    local tag; tag=$COMMIT-$(md5sum "$REPO/scripts/deepep_output_token.py" | cut -c1-8)
+    if [ -f "$SITE/.built-$tag" ] && ls "$SITE"/hybrid_ep_cpp*.so >/dev/null 2>&1; then
       echo "already built in $SITE"; exit 0
     fi
     rm -rf "$SITE" /tmp/deepep-src /tmp/deepep-build && mkdir -p "$SITE"
     cp -r "$STAGE/src" /tmp/deepep-src && cd /tmp/deepep-src
+    # bufreuse's own edit: dispatch_with_permute(output_token=) (upstream has no caller-provided output)
+    python3 "$REPO/scripts/deepep_output_token.py" . || exit 12
     local t0=$SECONDS
     # Upstream's own extension definition (setup.py is import-safe: its setup() call is under __main__).
     timeout -k 10 "$BUILD_TIMEOUT" python3 - "$SITE" <<'EOF'
@@ -144,7 +147,7 @@ from hybrid_ep_cpp import HybridEpConfigInstance
 
 __all__ = ["HybridEPBuffer", "HybridEpConfigInstance"]
 EOF
-    touch "$SITE/.built-$COMMIT"
+    touch "$SITE/.built-$tag"
     ls -la "$SITE" "$SITE/deep_ep"
   ) >"$log" 2>&1
   local rc=$?

@@ -75,7 +75,9 @@ class _CpuZeros(types.SimpleNamespace):
         return torch.zeros(*args, **kwargs)
 
 
-def _layer(monkeypatch, fp8: str | None = "e4m3", **bound: object):
+def _layer(monkeypatch, fp8: str | None = "e4m3", fused: bool = True, **bound: object):
+    """A flex/HybridEP ``MoELayer`` with ``TEGroupedMLP`` experts: the op fuser (sm100) or, ``fused=False``, the
+    unfused module whose FC2 is megatron's ``TEGroupedLinear`` over TE's ``GroupedLinear(out=)`` (Hopper)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe import token_dispatcher as td
@@ -102,11 +104,13 @@ def _layer(monkeypatch, fp8: str | None = "e4m3", **bound: object):
         m.setattr(td, "torch", _CpuZeros())
         layer = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp(config=cfg)
     cfg.use_transformer_engine_op_fuser = False  # TEGroupedMLP asserts TE's fused ops exist when True
-    subs = GroupedMLPSubmodules(linear_fc1=te.MegatronGroupedLinear, linear_fc2=te.MegatronGroupedLinear)
+    linear = te.MegatronGroupedLinear if fused else te.MegatronTEGroupedLinear
+    subs = GroupedMLPSubmodules(linear_fc1=linear, linear_fc2=linear)
     mlp = TEGroupedMLP(EXPERTS, cfg, subs, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    cfg.use_transformer_engine_op_fuser = True
-    mlp._with_fused_impl = True
-    mlp._fused_ops = (te.TrainableFusedGroupedMLP(mlp.linear_fc1, mlp.linear_fc2),)
+    if fused:
+        cfg.use_transformer_engine_op_fuser = True
+        mlp._with_fused_impl = True
+        mlp._fused_ops = (te.TrainableFusedGroupedMLP(mlp.linear_fc1, mlp.linear_fc2),)
     layer.experts = mlp
     cfg.fp8 = fp8  # megatron refuses fp8 at construction without TE
     return layer
@@ -119,26 +123,42 @@ def _routing(i: int):
     return routing, torch.zeros(routing.shape).scatter(1, top.indices, top.values)
 
 
-def _dispatch(layer, x, i):
-    routing, probs = _routing(i)
+def _balanced_routing(i: int):
+    """Every expert gets exactly TOKENS x TOPK / EXPERTS = 32 tokens (token t: experts t and t + 1 mod 4): with
+    capacity factor 1.0 each expert's capacity is 32, so megatron's pad-to-capacity splits (capacity x EP per
+    expert) line up with HybridEP's layout (each expert's rows padded to pad_multiple, packed). With uneven
+    routing they do not: megatron-core 0.19.2 hands the unfused experts capacity-sized splits over rows that
+    HybridEP packed per expert, the tail unwritten (docs/megatron.md)."""
+    g = torch.Generator().manual_seed(200 + i)
+    t = torch.arange(TOKENS)
+    idx = torch.stack([t % EXPERTS, (t + 1) % EXPERTS], 1)
+    routing = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, idx, True)
+    return routing, torch.zeros(routing.shape).scatter(1, idx, torch.rand(TOKENS, TOPK, generator=g))
+
+
+ROUTING = {"random": _routing, "balanced": _balanced_routing}
+
+
+def _dispatch(layer, x, i, routing: str = "random"):
+    routing, probs = ROUTING[routing](i)
     h, p = layer.preprocess(x, probs, routing)
     return layer.dispatch(h, p)
 
 
-def _forward(layer, x, i):
-    d, p = _dispatch(layer, x, i)
+def _forward(layer, x, i, routing: str = "random"):
+    d, p = _dispatch(layer, x, i, routing)
     out, _ = layer.routed_experts_compute(d, p)
     return layer.postprocess(layer.combine(out), None)
 
 
-def _interleaved(layer, xs):
+def _interleaved(layer, xs, routing: str = "random"):
     """F0 F1 B0 F2 B1 B2: two microbatches in flight."""
     leaves = [x.clone().requires_grad_(True) for x in xs]
     outs = {}
     for step in ("F0", "F1", "B0", "F2", "B1", "B2"):
         i = int(step[1])
         if step[0] == "F":
-            outs[i] = _forward(layer, leaves[i], i)
+            outs[i] = _forward(layer, leaves[i], i, routing)
         else:
             outs[i].backward(torch.full_like(outs[i], 0.5 + i))
     return [outs[i].detach() for i in range(3)], [x.grad for x in leaves]
@@ -189,6 +209,78 @@ def test_install_hands_ring_slots_to_deepep_and_te_and_matches_control(hybridep,
     stats = pool.stats()
     for name in ("dispatch_output", "expert_fc2_output"):
         assert stats[name].acquisitions == stats[name].releases == 3 and stats[name].peak_held == 1
+
+
+def _unfused_layer(monkeypatch):
+    """The seed's shape of run on Hopper: unfused TEGroupedMLP, pad-to-capacity at factor 1.0 (capacity 32)."""
+    return _layer(monkeypatch, fused=False, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
+@pytest.mark.parametrize("quantized", [True, False], ids=["fp8-saves-a-copy", "bf16-saves-the-slot"])
+def test_unfused_te_grouped_mlp_writes_fc2_into_the_ring_and_matches_control(
+    hybridep, monkeypatch, debug, quantized
+) -> None:
+    """Hopper's route: no op fuser; FC2 (megatron's TEGroupedLinear over TE's GroupedLinear) gets ``out=`` a slot,
+    HybridEP's combine reads it and releases it; both rings on, two microbatches in flight, equal to the control.
+
+    FP8 GEMMs save a quantized copy of their input: each dispatch slot is free after its forward (one held at a
+    time). bf16 GEMMs save the slot itself: every release waits for FC1's backward (release by fact), so two are
+    held while two microbatches are in flight, and the result is still the control's.
+    """
+    monkeypatch.setattr(te.TEGroupedLinearBase, "quantized", quantized)
+    layer = _unfused_layer(monkeypatch)
+    assert not layer.experts._with_fused_impl
+    xs = _inputs()
+    ref_out, ref_grad = _interleaved(layer, xs, "balanced")
+    ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    again_out, again_grad = _interleaved(layer, xs, "balanced")  # the control's own determinism, else equality means nothing
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, again_out + again_grad, strict=True))
+    layer.zero_grad(set_to_none=True)
+    fc2 = layer.experts.linear_fc2
+    fc2.received_out.clear()
+    pool = BufferPool("cpu", debug=debug)
+    with install(layer, pool, _knobs(), tokens=TOKENS) as inst:
+        assert inst.layers == 1 and not inst.unused
+        if debug:  # every slot starts as NaN: a row the kernels or TE leave unwritten would show
+            _poison_all(pool, "dispatch_output", 2)
+            _poison_all(pool, "expert_fc2_output", 2)
+        out, grad = _interleaved(layer, xs, "balanced")
+    assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, out + grad, strict=True))
+    params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    assert params.keys() == ref_params.keys()
+    assert all(torch.equal(params[n], ref_params[n]) for n in params)
+    received = [o for o in fc2.received_out if o is not None]  # TE got out= on every forward, FC1 never
+    assert len(received) == 3 and all(pool.is_ring_storage(o) for o in received)
+    assert not any(o is not None for o in layer.experts.linear_fc1.received_out)
+    assert received[0].data_ptr() != received[1].data_ptr() == received[2].data_ptr() or (
+        received[2].data_ptr() == received[0].data_ptr()
+    )
+    stats, poisoned = pool.stats(), 2 if debug else 0
+    for name in ("dispatch_output", "expert_fc2_output"):
+        assert stats[name].acquisitions - poisoned == stats[name].releases - poisoned == 3
+    dispatch = stats["dispatch_output"]  # the peak counts the poisoning's two acquisitions in debug mode
+    assert (dispatch.peak_held, dispatch.deferred_releases) == ((max(1, poisoned), 0) if quantized else (2, 3))
+    fc2 = stats["expert_fc2_output"]  # FC2 saves its input, never its output: free at combine
+    assert (fc2.peak_held, fc2.deferred_releases) == (max(1, poisoned), 0)
+
+
+def test_unfused_fc2_slot_is_held_until_hybridep_combine(hybridep, monkeypatch) -> None:
+    """The FC2 slot's last reader is HybridEP's combine (no unpadding on this path): released there, not before."""
+    monkeypatch.setattr(te.TEGroupedLinearBase, "quantized", True)  # FP8: FC1 saves a copy, the slot is free
+    layer = _unfused_layer(monkeypatch)
+    pool = BufferPool("cpu")
+    x = _inputs()[0].requires_grad_(True)
+    with install(layer, pool, _knobs(), tokens=TOKENS):
+        d, p = _dispatch(layer, x, 0, "balanced")
+        held = lambda n: pool.stats()[n].acquisitions - pool.stats()[n].releases  # noqa: E731
+        out, _ = layer.routed_experts_compute(d, p)
+        assert (held("dispatch_output"), held("expert_fc2_output")) == (0, 1)
+        assert pool.is_ring_storage(out)  # combine's input is the slot itself
+        y = layer.combine(out)
+        assert (held("dispatch_output"), held("expert_fc2_output")) == (0, 0)
+        layer.postprocess(y, None).sum().backward()
 
 
 def test_slots_released_at_final_consumers(hybridep, monkeypatch) -> None:

@@ -370,10 +370,10 @@ def track_fc2_stage(inst: Installation, layer: Any) -> None:
     That stage makes the FC2 slot (the experts' forward) and hands it on (``combine_preprocess``); whatever
     saves it in between (megatron's own code, a forward hook on the experts) is counted, so the release at
     the combine waits for it (release by fact; the later combine stages are tracked when they receive a
-    slot, :func:`hook_fc2_release`). Where this layer's all-to-all dispatch hook wraps the stage it does so
-    on every call instead (:func:`_hook_dispatch`), so nothing is wrapped twice.
+    slot, :func:`hook_fc2_release`). Where this layer's dispatch hook (all-to-all: :func:`_hook_dispatch`;
+    HybridEP: ``hybridep.hooks``) wraps the stage it does so on every call instead, so nothing is wrapped twice.
     """
-    if inst.hooks("alltoall", layer, "dispatch"):
+    if inst.hooks("alltoall", layer, "dispatch") or inst.hooks("hybridep", layer, "dispatch"):
         return
     inst.override(layer, "routed_experts_compute", tracked(inst.pool, inst.original(layer, "routed_experts_compute")))
 

@@ -5,10 +5,12 @@ bound the manager computed in ``setup_metadata`` (``num_permuted_tokens``: the r
 rounded up to the quantization alignment, or capacity x EP x local experts with pad-to-capacity)
 and arms it; megatron's ``HybridEPDispatch`` then calls the process-wide buffer, which an
 :class:`~bufreuse.integrations.hybridep.output_token.OutputTokenInjector` wraps while any hook is alive, so
-DeepEP receives the slot as ``output_token=``. Released after ``routed_experts_compute``: FP8/FP4
-expert GEMMs save a quantized copy, so the experts are its final reader. bf16 experts would save
-the slot itself: refused at install for the ring policy (the allocator policies only drop the
-pool's reference). Shared-expert overlap is fine here: the flex dispatcher's overlapped shared
+DeepEP receives the slot as ``output_token=`` (upstream DeepEP lacks it; ``scripts/deepep_output_token.py``
+adds it). Released by fact after ``routed_experts_compute``, which runs in the pool's saved-tensor region
+on every call: FP8/FP4 expert GEMMs save a quantized copy, so the experts' forward is its final reader,
+and whatever does save the slot (a hook) holds it until that reference is gone. bf16 experts save it for
+backward on every microbatch: refused at install for the ring policy (the allocator policies only drop
+the pool's reference). Shared-expert overlap is fine here: the flex dispatcher's overlapped shared
 expert never reads the dispatch output. The expert FC2 output of these layers is the TE adapter's
 (:mod:`bufreuse.integrations.te.hooks`).
 """
@@ -31,6 +33,7 @@ from bufreuse.integrations.core import (
     Requirement,
     acquire_with_hint,
     cfg_get,
+    tracked,
 )
 
 __all__ = ["ADAPTER", "HybridEPAdapter", "is_hybridep_layer"]
@@ -234,11 +237,12 @@ def _hook_dispatch(inst: Installation, layer: Any) -> None:
         return out
 
     def routed_experts_compute(hidden_states: torch.Tensor, probs: torch.Tensor) -> Any:
-        result = orig_compute(hidden_states, probs)
+        result = compute(hidden_states, probs)
         if held:
-            held.popleft().release()  # the experts were its final reader
+            held.popleft().release()  # the experts' forward read it last; what they saved of it is counted
         return result
 
+    compute = tracked(pool, orig_compute)  # every call: release by fact (the FC2 stage's region too)
     inst.override(mgr, "dispatch", dispatch)
     inst.override(layer, "routed_experts_compute", routed_experts_compute)
 

@@ -4,9 +4,9 @@ Serves the expert buffer of layers whose experts are megatron-core's ``TEGrouped
 
 - **op fuser** (``_with_fused_impl``; TE fuses it on SM100, not on Hopper): ``TEGroupedMLP.forward``
   (per instance) acquires a slot with the exact output shape and passes a detached alias as
-  ``output_buffer=`` (megatron routes it to TE as ``op_kwargs[-1][OUTPUT_BUFFER_KEY]``). HybridEP
-  layers need this route (``te_op_fuser`` row); all-to-all layers take it when the fuser is on.
-- **module** (the non-fused ``TEGroupedMLP`` of all-to-all layers, what Hopper runs): FC2 is TE's
+  ``output_buffer=`` (megatron routes it to TE as ``op_kwargs[-1][OUTPUT_BUFFER_KEY]``). Taken on either
+  path whenever megatron runs the fused grouped MLP.
+- **module** (the non-fused ``TEGroupedMLP``, what Hopper runs, on HybridEP and all-to-all): FC2 is TE's
   ``GroupedLinear`` behind megatron's ``TEGroupedLinear.forward(x, m_splits)``, which calls
   ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes no ``out=``. The hooked
   ``linear_fc2`` is switched to a subclass whose MRO puts one shim between megatron's class and the TE
@@ -51,17 +51,6 @@ _EXPERT_ONLY = frozenset({"expert"})
 _HYBRIDEP = frozenset({"hybridep"})
 
 ROWS: tuple[Requirement, ...] = (
-    Requirement(
-        key="te_op_fuser",
-        buffers=_EXPERT_ONLY,
-        paths=_HYBRIDEP,
-        policies=REUSE,
-        text="the Transformer Engine op fuser for the grouped MLP",
-        fix="set use_transformer_engine_op_fuser=True (megatron-core 0.19+)",
-        why="only the op-fuser grouped MLP takes a caller-provided FC2 output (op_kwargs OUTPUT_BUFFER_KEY)",
-        test=lambda c: bool(cfg_get(c.cfg, "use_transformer_engine_op_fuser", False)),
-        needs_fields=("use_transformer_engine_op_fuser",),
-    ),
     Requirement(
         key="grouped_gemm",
         buffers=_EXPERT_ONLY,
@@ -109,7 +98,7 @@ class TEGroupedAdapter:
         if not installation.hooks(self.name, layer, "expert"):
             return []
         experts, cfg = layer.experts, layer.config
-        if is_hybridep_layer(layer) or te_fused_impl(experts):
+        if te_fused_impl(experts):
             try:
                 require_fused_output_buffer(experts, experts_mod)
             except ConfigError as e:
@@ -137,10 +126,10 @@ class TEGroupedAdapter:
         cfg = installation.config_of(layer)  # the EP / expert-TP sizes the dispatcher really uses
         path = "hybridep" if is_hybridep_layer(layer) else "alltoall"
         bound = static_bounds(cfg, installation.knobs, path=path, tokens=installation.tokens)["expert"]
-        fused = path == "hybridep" or te_fused_impl(layer.experts)  # FP8 pad rows: in the bound (config)
+        fused = te_fused_impl(layer.experts)  # FP8 pad rows: in the bound (config)
         installation.register("expert", bound, getattr(layer.config, "params_dtype", torch.float32), cfg)
         if path == "hybridep":
-            _hook_fused_hybridep(installation, layer)
+            _hook_hybridep(installation, layer, fused)
         elif fused:
             _hook_fused_alltoall(installation, layer)
         else:
@@ -202,7 +191,15 @@ def _cols(layer: Any) -> int:
     return int(getattr(layer.config, "moe_latent_size", None) or layer.config.hidden_size)
 
 
-def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
+def _hook_hybridep(inst: Installation, layer: Any, fused: bool) -> None:
+    """FC2 into a slot (op fuser: ``output_buffer=``; module: ``GroupedLinear(out=)``), released after combine.
+
+    HybridEP's combine reads the FC2 output as it is (``skip_routed_expert_padding``: the dispatcher pads, the
+    experts never unpad), so its forward is the slot's last reader; under EP overlap it runs on the
+    communication stream, where the release is recorded.
+    """
+    from bufreuse.integrations.alltoall.hooks import track_fc2_stage
+
     experts, disp, pool = layer.experts, layer.token_dispatcher, inst.pool
     orig_combine = inst.original(disp, "token_combine")
     held: deque[Held] = deque()
@@ -213,9 +210,10 @@ def _hook_fused_hybridep(inst: Installation, layer: Any) -> None:
             held.popleft().release()  # combine's forward read it last, on the stream it ran on
         return out
 
-    from bufreuse.integrations.alltoall.hooks import track_fc2_stage
-
-    inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
+    if fused:  # sm100: megatron's fused grouped MLP; Hopper runs the module
+        inst.override(experts, "forward", _fused_forward_into_slot(inst, experts, _cols(layer), held))
+    else:
+        _route_fc2(inst, experts.linear_fc2, held)
     track_fc2_stage(inst, layer)
     inst.override(disp, "token_combine", tracked(pool, token_combine, pool.views_ring_storage))
 
@@ -239,15 +237,19 @@ def _hook_module_alltoall(inst: Installation, layer: Any) -> None:
     output no longer views it.
     """
     from bufreuse.integrations.alltoall.hooks import hook_fc2_release, track_fc2_stage
-    from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
 
-    experts, pool = layer.experts, inst.pool
-    fc2 = experts.linear_fc2
     queue: deque[Held] = deque()
-    te_forward = inst.original(out_route_class(type(fc2)), "forward")  # check() refused a class without one
-    route_into_ring(inst, fc2, Fc2Route(pool, EXPERT, int(fc2.out_features), queue, te_forward))
+    _route_fc2(inst, layer.experts.linear_fc2, queue)
     track_fc2_stage(inst, layer)
     hook_fc2_release(inst, layer, queue)
+
+
+def _route_fc2(inst: Installation, fc2: Any, queue: deque[Held]) -> None:
+    """Switch ``fc2`` (TE ``GroupedLinear``) to write into an ``expert_fc2_output`` slot, queued on ``queue``."""
+    from bufreuse.integrations.te.out_route import Fc2Route, out_route_class, route_into_ring
+
+    te_forward = inst.original(out_route_class(type(fc2)), "forward")  # check() refused a class without one
+    route_into_ring(inst, fc2, Fc2Route(inst.pool, EXPERT, int(fc2.out_features), queue, te_forward))
 
 
 ADAPTER = TEGroupedAdapter()
