@@ -235,7 +235,7 @@ def test_unfused_te_grouped_mlp_writes_fc2_into_the_ring_and_matches_control(
     ref_out, ref_grad = _interleaved(layer, xs, "balanced")
     ref_params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
-    again_out, again_grad = _interleaved(layer, xs, "balanced")  # the control's own determinism, else equality means nothing
+    again_out, again_grad = _interleaved(layer, xs, "balanced")  # the control is deterministic, else equality is void
     assert all(torch.equal(a, b) for a, b in zip(ref_out + ref_grad, again_out + again_grad, strict=True))
     layer.zero_grad(set_to_none=True)
     fc2 = layer.experts.linear_fc2
