@@ -112,3 +112,18 @@ def test_readme_command_runs_as_written(command: Command, tmp_path: Path) -> Non
         flat = " ".join(out.split())
         missing = [f for f in FIGURE.findall(command.shown) if " ".join(f.split()) not in flat]
         assert not missing, f"figures shown in the README but not printed now: {missing}\n{out}"
+
+
+PLACEHOLDER = re.compile(r"<[A-Za-z][^<>\n]*>")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "examples/README.md", "examples/megatron-h200/README.md"])
+def test_every_shell_block_is_a_command_bash_can_run(doc: str) -> None:
+    """No ``<placeholder>`` (bash reads ``<`` as a redirection) and valid syntax (``bash -n``), block by block."""
+    blocks = [body for info, body in _blocks((ROOT / doc).read_text(encoding="utf-8")) if info in SHELL_INFO]
+    assert blocks, doc
+    for body in blocks:
+        code = "\n".join(line.partition(" #")[0] for line in body.splitlines())
+        assert not PLACEHOLDER.search(code), f"{doc}: a <placeholder> in a shell block:\n{body}"
+        proc = subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{doc}: bash -n: {proc.stderr}\n{body}"
