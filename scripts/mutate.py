@@ -8,11 +8,14 @@ script copies the repository's tracked and untracked-but-not-ignored files into 
 reports the mutation as **killed** (the tests failed), **survived** (they passed), **stale** (the
 snippet is no longer in the file, or not exactly once: update the data file) or **error** (the run
 timed out). The named tests are first run once unmutated; a mutation whose tests fail unmutated is
-reported as ``baseline-failing`` instead of killed. Not part of CI: run it before and after a refactor.
+reported as ``baseline-failing`` instead of killed. The whole set is run by hand, before and after a
+refactor; CI runs the ``--quick`` set (the mutations marked ``quick = true``: release rules whose tests
+take seconds on CPU), which fails on a survivor.
 
     python scripts/mutate.py                     # every mutation, a table on stdout
     python scripts/mutate.py --only band --only gate --markdown results.md --json results.json
     python scripts/mutate.py --fail-on-survivor  # exit 1 if any mutation survives (GPU-only ones excepted)
+    python scripts/mutate.py --quick             # the quick set, --fail-on-survivor implied (.ci/run)
 
 Exit codes: 0 done; 1 with ``--fail-on-survivor`` and a survivor, or a stale mutation; 2 bad input.
 """
@@ -48,6 +51,8 @@ class Mutation:
     why: str = ""
     gpu_only: bool = False
     """Expected to survive a CPU run (the behaviour is a no-op without CUDA); reported, never a failure."""
+    quick: bool = False
+    """In the ``--quick`` set CI runs: CPU-catchable, its tests take seconds."""
 
 
 @dataclass(kw_only=True)
@@ -77,6 +82,9 @@ def load(path: Path) -> list[Mutation]:
         raise SystemExit(2)
     if any(m.original == m.mutated for m in out):
         print(f"error: {path}: a mutation that changes nothing", file=sys.stderr)
+        raise SystemExit(2)
+    if any(m.quick and m.gpu_only for m in out):
+        print(f"error: {path}: a GPU-only mutation in the quick set (CPU cannot kill it)", file=sys.stderr)
         raise SystemExit(2)
     return out
 
@@ -162,9 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="also write the result table here")
     ap.add_argument("--json", type=Path, help="also write the results as JSON here")
     ap.add_argument("--fail-on-survivor", action="store_true", help="exit 1 when a CPU-catchable mutation survives")
+    ap.add_argument("--quick", action="store_true", help="only the quick set (quick = true; CI), --fail-on-survivor")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = ap.parse_args(argv)
     mutations = load(args.data)
+    if args.quick:
+        mutations = [m for m in mutations if m.quick]
+        args.fail_on_survivor = True
     if args.only:
         mutations = [m for m in mutations if any(o in m.name for o in args.only)]
     if args.list:

@@ -48,3 +48,21 @@ def test_mutate_reports_killed_survived_and_stale_without_touching_the_tree(tmp_
     assert results == {"killed-one": "killed", "survivor": "survived", "stale-one": "stale"}, res.stdout
     assert res.returncode == 1  # a stale mutation is an error of the data file
     assert "| `survivor` |" in res.stdout and "**survived**" in res.stdout
+
+
+def test_quick_runs_only_the_quick_set_and_fails_on_its_survivor(tmp_path: Path) -> None:
+    """``--quick`` (CI's set) takes the mutations marked ``quick = true`` and implies ``--fail-on-survivor``; a
+    GPU-only mutation cannot be in it (a CPU run could never kill it): bad input, exit 2."""
+    data = tmp_path / "m.toml"
+    data.write_text(DATA.replace('tests = ["tests/test_boundaries.py::test_small_and_large_pools_split_at_one_mib"]',
+                                 'tests = ["tests/test_boundaries.py::test_small_and_large_pools_split_at_one_mib"]\n'
+                                 "quick = true"))  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "scripts" / "mutate.py"), "--data", str(data)]
+    listed = subprocess.run([*cmd, "--quick", "--list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and [ln.split()[0] for ln in listed.stdout.splitlines()] == ["survivor"]
+    res = subprocess.run([*cmd, "--quick", "--timeout", "300"], capture_output=True, text=True, timeout=600)
+    assert "[1/1] survived" in res.stdout and res.returncode == 1, res.stdout  # implied --fail-on-survivor
+    data.write_text(data.read_text() + "gpu_only = true\n")  # the last mutation (stale-one) quick and GPU-only
+    data.write_text(data.read_text().replace('mutated = "x"\n', 'mutated = "x"\nquick = true\n'))
+    bad = subprocess.run([*cmd, "--quick"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "GPU-only mutation in the quick set" in bad.stderr
