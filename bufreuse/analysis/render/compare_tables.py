@@ -154,7 +154,7 @@ def comparison_renderable(result: ComparisonResult) -> Group:
             + (
                 f"; --warmup {result.warmup} counts iterations: Megatron log windows overlapping the first "
                 f"{result.warmup} are dropped; a sample is one log window, weighted by the iterations it averages"
-                if any(r.kind == "megatron" for r in result.runs)
+                if any(r.kind == "megatron" and not r.memory_only for r in result.runs)
                 else ""
             ),
             style="dim",

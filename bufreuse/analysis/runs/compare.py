@@ -210,6 +210,9 @@ def _compare_one(
     comp.comparability.extend(config_caveats(base, run))
     if scope := scope_conflict(base, run):
         comp.comparability.append(scope)
+    if base.memory_only:  # the run's own warnings follow; the baseline's memory-only scope qualifies them all
+        only = (w for w in base.warnings if w.startswith("memory reports only"))
+        comp.caveats.extend(f"the baseline {base.label} has {w}" for w in only)
     comp.caveats.extend(f"{run.label}: {w}" for w in run.warnings)
     comp.node_sets, caveat = node_sets(base, run)
     if caveat:

@@ -435,14 +435,17 @@ REGISTERED_ARG = "bufreuse_registered_bytes"
 """Pseudo-argument holding the entry's ``persistent bytes`` list (``name=bytes, ...``), when the log has it."""
 
 
-def parse_log_text(text: str, *, source: str = "<text>") -> MegatronLog:
+def parse_log_text(text: str, *, source: str = "<text>", memory_only: bool = False) -> MegatronLog:
     """Parse the text of one Megatron log.
+
+    ``memory_only``: a log with memory reports (``[Rank N] ... memory (MB) | ...``) and no iteration line is
+    returned (its ``iterations`` empty) instead of refused: what ``compare`` reads as a memory-only run.
 
     Raises:
         LogFormatError: empty, or no iteration line (the message says what was looked for and found).
         LogBudgetError: more iteration lines than the ``max_log_iterations`` budget.
     """
-    return _parse(_split(text), source=source)
+    return _parse(_split(text), source=source, memory_only=memory_only)
 
 
 def _split(text: str) -> Iterator[str]:
@@ -506,7 +509,7 @@ def _clean_lines(raw: Iterable[str], state: dict[str, object]) -> Iterator[tuple
     state["content"], state["head"] = content, "".join(head)
 
 
-def _parse(raw: Iterable[str], *, source: str) -> MegatronLog:
+def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> MegatronLog:
     """Parse the lines ``raw`` yields (line ends kept) one at a time, in memory bounded by the budgets."""
     log = MegatronLog(source=source)
     limits = current()
@@ -659,15 +662,26 @@ def _parse(raw: Iterable[str], *, source: str) -> MegatronLog:
     if log.job_id is None and (fm := _FILE_JOBID_RE.search(os.path.basename(source))):
         log.job_id = next(g for g in fm.groups() if g)
     if not len(table):
+        reports = len(log.memory) + (1 if log.memory_overflow else 0)
+        if memory_only and reports:
+            return log
         head = str(state["head"])
         binary = "\x00" in head or head[:1] == "\ufffd"
         what = describe_unknown(head) if binary else unknown.describe()
+        if reports or odd_memory.count:
+            what += (
+                f"; of those, {len(log.memory):,} memory report(s) ('[Rank N] (after K iterations) memory (MB) | "
+                f"allocated: ... |') read" + (f" and {odd_memory.count:,} 'memory (MB)' line(s) in no known shape"
+                                              if odd_memory.count else "")
+            )  # fmt: skip
         raise LogFormatError(f"{source}: no Megatron iteration lines: {what}")
     return log
 
 
-def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
+def parse_log(path: str | os.PathLike[str], *, memory_only: bool = False) -> MegatronLog:
     """Read and parse one log file, plain or gzip'd (undecodable bytes replaced, never fatal), line by line.
+
+    ``memory_only``: as :func:`parse_log_text`.
 
     Raises:
         LogFormatError: unreadable, refused by :mod:`.textfile`, empty or with no iteration line.
@@ -675,7 +689,7 @@ def parse_log(path: str | os.PathLike[str]) -> MegatronLog:
     """
     p = Path(path)
     lines = LogLines(p)  # streamed, bounded, FIFOs refused (textfile)
-    log = _parse(lines, source=str(p))
+    log = _parse(lines, source=str(p), memory_only=memory_only)
     if lines.warning:
         log.warnings.insert(0, lines.warning)
     return log

@@ -61,6 +61,8 @@ class RunRecord:
     job_id: str | None = None
     dropped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    memory_only: bool = False
+    """A log of memory reports with no iteration line: compared on memory alone."""
     oom_events: int = 0
     """Out-of-memory events the run recorded (a snapshot's trace): its memory peaks are then lower bounds."""
     named: bool = True

@@ -180,7 +180,9 @@ def _from_megatron_folder(folder: Path, warmup: int) -> RunRecord:
 
 
 def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
-    log = parse_log(path)
+    log = parse_log(path, memory_only=True)
+    if not len(log.iterations):
+        return _memory_only(path, log, label)
     rows, dropped = _steady(log, warmup)
     if not _size(rows):
         raise LogFormatError(f"{path}: no steady-state iterations: {describe_dropped(dropped, warmup=warmup)}")
@@ -196,6 +198,12 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     run.tflops_windows = run.step_windows if same else _column(log, rated, "window")
     del timed, rated
     run.config = run_config(log.args)
+    _log_common(path, log, run)
+    return run
+
+
+def _log_common(path: Path, log: MegatronLog, run: RunRecord) -> None:
+    """What every log gives besides its iterations: memory peaks, node set, job id, ring slots."""
     for attr, target in (
         ("max_allocated_mib", "max_allocated_bytes"),
         ("max_reserved_mib", "max_reserved_bytes"),
@@ -208,6 +216,17 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     if run.nodes is None:
         run.nodes = _job_nodes(path.parent / "job.json", run)
     _rings_from_args(log.args, run)
+
+
+def _memory_only(path: Path, log: MegatronLog, label: str) -> RunRecord:
+    """A log of memory reports and no iteration line (the lines people paste into issues): memory only."""
+    run = RunRecord(label=label, source=path, kind="megatron", warnings=list(log.warnings), memory_only=True)
+    run.config = run_config(log.args)
+    _log_common(path, log, run)
+    ranks = sorted({m.rank for m in log.memory if m.rank is not None})
+    shown = ", ".join(str(r) for r in ranks[:8]) + (", ..." if len(ranks) > 8 else "")
+    over = f"the {len(ranks)} rank(s) it reports ({shown})" if ranks else "the reports it holds (rank not printed)"
+    run.warnings.insert(0, f"memory reports only, no iteration line: compared on memory; its peaks are over {over}")
     return run
 
 

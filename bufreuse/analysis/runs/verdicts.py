@@ -192,7 +192,8 @@ def node_sets(base: RunRecord, run: RunRecord) -> tuple[str, str | None]:
     """
     if base.nodes is None or run.nodes is None:
         caveat = None
-        if base.kind == "megatron" or run.kind == "megatron":
+        timed = all(len(r.step_ms) or len(r.tflops) or r.tflops_value is not None for r in (base, run))
+        if (base.kind == "megatron" or run.kind == "megatron") and timed:  # memory-only logs: no throughput
             caveat = "node sets unknown: treat small throughput deltas as parity/regression signals"
         return "unknown", caveat
     if base.nodes.same_as(run.nodes):
