@@ -29,6 +29,7 @@ __all__ = [
     "megatron_core_version",
     "pad_for_quantization",
     "patch_bulk_offload",
+    "patch_grad_sync_coalescing",
     "patch_hybrid_ep_buffer",
     "patch_schedule_node_free_input",
     "recorded_problems",
@@ -45,6 +46,7 @@ _EXPERTS = "megatron.core.transformer.moe.experts"
 _PP = "megatron.core.pipeline_parallel.utils"
 _OFFLOAD = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 _FCG = "megatron.core.full_cuda_graph"
+_PGB = "megatron.core.distributed.param_and_grad_buffer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,29 @@ CONTRACT: tuple[Assumption, ...] = (
     Assumption(module=_FCG, attr="FullCudaGraphWrapper.curr_iter", params=("self", "stage"), used_by="graphs"),
     Assumption(module=_FCG, attr="FullCudaGraphWrapper.cuda_graph", used_by="graphs: replay detection"),
     Assumption(module=_FCG, attr="get_shared_capture_stream", optional=True, used_by="graphs: capture stream"),
+    Assumption(
+        module=_PGB,
+        attr="_coalescing_manager",
+        used_by="gloo grad sync: the DDP bucket collectives' manager, replaced at this module attribute",
+    ),
+    Assumption(
+        module=_PGB,
+        attr="_ParamAndGradBucketGroup.start_grad_sync",
+        params=("self", "force_all_reduce"),
+        used_by="gloo grad sync: buckets reduced inside _coalescing_manager, its handle kept as grad_reduce_handle",
+    ),
+    Assumption(
+        module=_PGB,
+        attr="_ParamAndGradBucketGroup.finish_grad_sync",
+        params=("self", "force_all_reduce"),
+        used_by="gloo grad sync: waits grad_reduce_handle",
+    ),
+    Assumption(
+        module=_PGB,
+        attr="_ParamAndGradBucketGroup.start_param_sync",
+        params=("self", "force_sync"),
+        used_by="gloo grad sync: distributed optimizer's param all-gather inside _coalescing_manager",
+    ),
 )
 """What ``tests/test_compat_megatron.py`` checks against each supported megatron-core."""
 
@@ -395,6 +420,20 @@ def patch_bulk_offload(probe: Callable[[Any], bool]) -> Callable[[], None] | Non
     if cls is None or "bulk_offload" not in cls.__dict__:
         return None
     return _patch_class(cls, "bulk_offload", skip_ring_forced_release(probe)(cls.__dict__["bulk_offload"]))
+
+
+def patch_grad_sync_coalescing(make: Callable[[Any], Any], *, marker: str = "") -> Callable[[], None] | None:
+    """Replace ``param_and_grad_buffer._coalescing_manager`` (DDP grad reduce, param all-gather) with
+    ``make(original)``; the undo, or None when absent or already carrying the attribute ``marker``."""
+    try:
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+    except ImportError:
+        return None
+    orig = getattr(pgb, "_coalescing_manager", None)
+    if orig is None or (marker and getattr(orig, marker, False)):
+        return None
+    pgb._coalescing_manager = make(orig)
+    return lambda: setattr(pgb, "_coalescing_manager", orig)
 
 
 def full_cuda_graph_wrapper() -> type | None:
