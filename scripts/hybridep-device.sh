@@ -8,6 +8,10 @@
 #                                             # into /tmp/site-deepep, then tests/test_hybridep_real_gpu.py
 #                                             # (what is left of TOTAL_TIMEOUT=570 s); logs under $OUT
 #   bash scripts/hybridep-device.sh build     # on the device: the build step alone
+#   bash scripts/hybridep-device.sh kernels   # on the device, after build: the real-kernel tests alone
+#                                             # (world sizes 1 and 2, output_token; tests/test_hybridep_*_gpu.py)
+#   bash scripts/hybridep-device.sh exec CMD  # on the device, after build: CMD with the kernels' environment
+#                                             # (CUDA_HOME and the JIT cache, LD_PRELOAD, USE_MNNVL=0, DeepEP on PYTHONPATH)
 #   bash scripts/hybridep-device.sh probe     # on the device, after build: scripts/hybridep_probe.py (which
 #                                             # variant of the buffer's constructor builds; where the others stop)
 #
@@ -101,6 +105,16 @@ device_env() {
   link_shims
 }
 
+# What the built kernels need at run time on one GPU shared by several processes:
+# - libstdc++ preloaded: without it HybridEPBuffer(...) segfaults in get_comm_id (the extension carries parts of
+#   libstdc++; which copy's locale state a stream insert meets depends on load order);
+# - USE_MNNVL=0: no fabric memory on one shared GPU; HybridEP then uses cudaMalloc + CUDA IPC.
+kernel_env() {
+  local lib=${HEP_LIBSTDCXX:-/usr/lib/x86_64-linux-gnu/libstdc++.so.6}
+  [[ ${LD_PRELOAD:-} == *"$lib"* ]] || export LD_PRELOAD=$lib${LD_PRELOAD:+:$LD_PRELOAD}
+  export USE_MNNVL=0
+}
+
 build() {
   mkdir -p "$OUT"
   local log=$OUT/hybridep-build.log
@@ -161,8 +175,27 @@ EOF
   tail -3 "$log"
 }
 
+kernels() {  # the real-kernel tests (world sizes 1 and 2, with the output_token edit); logs under $OUT
+  device_env >/dev/null
+  kernel_env
+  mkdir -p /tmp/site-deepep-mc
+  if compgen -G "$STAGE/whl/*.whl" >/dev/null && [ ! -d /tmp/site-deepep-mc/megatron ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-deepep-mc \
+      "$STAGE"/whl/*.whl >>"$OUT/hybridep-build.log" 2>&1 || echo "hybridep: megatron-core wheel did not install"
+  fi
+  export PYTHONPATH=$REPO:$SITE:/tmp/site-deepep-mc${PYTHONPATH:+:$PYTHONPATH}
+  export BUFREUSE_REQUIRE_DEEPEP=1 OUT
+  timeout -k 10 "${KERNELS_TIMEOUT:-300}" python3 -m pytest tests/test_hybridep_output_token_gpu.py \
+    tests/test_hybridep_real_gpu.py -m gpu -v -p no:cacheprovider -o addopts="-ra --strict-markers" \
+    >"$OUT/hybridep-kernels.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT/hybridep-kernels.log"
+  return $rc
+}
+
 probe() {
   device_env >/dev/null
+  kernel_env
   export PYTHONPATH=$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}
   python3 "$REPO/scripts/hybridep_probe.py" --out "$OUT" 2>&1 | tee "$OUT/hybridep-probe.txt"
 }
@@ -177,6 +210,7 @@ run() {
   fi
   set -a; source "$OUT/hybridep-probe.env"; set +a
   device_env >/dev/null
+  kernel_env
   mkdir -p /tmp/site-deepep-mc
   if compgen -G "$STAGE/whl/*.whl" >/dev/null && [ ! -d /tmp/site-deepep-mc/megatron ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-deepep-mc \
@@ -212,5 +246,8 @@ case ${1:-} in
   build) build ;;
   run) run ;;
   probe) probe ;;
-  *) sed -n '2,15p' "$0" >&2; exit 2 ;;
+  kernels) kernels ;;
+  exec) shift; device_env >/dev/null; kernel_env
+    export PYTHONPATH=$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}; exec "$@" ;;
+  *) sed -n '2,19p' "$0" >&2; exit 2 ;;
 esac

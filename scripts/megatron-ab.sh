@@ -13,6 +13,8 @@
 # rings unused there (nothing waits pending-free), -kept keeps them (--moe-bufreuse-keep-unused-rings).
 # ep2-gloo-overlap: EP = 2 over gloo with --overlap-moe-expert-parallel-comm (combined 1F1B), where install() uses
 # the dispatch ring; each run also writes one allocator snapshot per rank (F-<arm>-K-snapshots/rank<R>.pickle).
+# hep hep-fp8 hep-fp8e hep-fp8d: real DeepEP HybridEP at EP = 2 on one GPU (run.sh's header): bf16 with the expert
+# ring; FP8 with both rings, the expert ring alone, the dispatch ring alone; per-rank snapshots as above.
 # Environment: ROUNDS (3) rounds per family; round K runs control then rings for odd K, rings then control for
 # even K (A B B A A B ...), rounds outermost, so every family advances one round at a time. ITERS (20)
 # iterations per run, WARMUP (5) iterations dropped by every comparison, LIMIT (180) seconds per run (killed
@@ -234,6 +236,8 @@ for f in "${families[@]}"; do
   python3 scripts/megatron_ab_summary.py --out "$out" --family "$f" --rounds "$rounds" --json "$out/$f-summary.json" \
     || status=1
   # families that record per-rank snapshots (a missing one is then a failed run, reported)
-  if [[ $f == ep2-gloo-overlap* ]] || [ -d "$out/$f-control-1-snapshots" ]; then snapshot_reports "$f" "$rounds"; fi
+  if [[ $f == ep2-gloo-overlap* || $f == hep* ]] || [ -d "$out/$f-control-1-snapshots" ]; then
+    snapshot_reports "$f" "$rounds"
+  fi
 done
 exit $status

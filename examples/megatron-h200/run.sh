@@ -36,6 +36,19 @@
 #                                           which also logs each rank's max allocated / reserved: Megatron's memory
 #                                           lines are data-parallel rank 0's); scripts/megatron-ab.sh reports them
 #                                           (snapshot-report per arm, --json, the pending-free line).
+#      hep-control hep-rings                the seed's configuration on one GPU: EP = 2 as two processes sharing
+#      hep-fp8-control hep-fp8-rings        it over gloo, real DeepEP HybridEP kernels (flex dispatcher, hybridep
+#      hep-fp8e-* hep-fp8d-*                backend, DeepEP built with bufreuse's output_token edit:
+#                                           scripts/hybridep-device.sh), EP overlap (combined 1F1B), TE grouped
+#                                           GEMMs (unfused TEGroupedMLP on Hopper), pad-to-capacity, HEP shape;
+#                                           bf16 (hep-rings: the expert ring alone, since bf16 GEMMs save the
+#                                           dispatch slot) and FP8 (hep-fp8-rings both rings, hep-fp8e-rings the
+#                                           expert ring alone, hep-fp8d-rings the dispatch ring alone; their
+#                                           controls are the same run, one per family). Each rank writes
+#                                           its allocator snapshot (as ep2-gloo-overlap). The kernels need
+#                                           LD_PRELOAD=<libstdc++.so.6> (HybridEPBuffer segfaults in get_comm_id
+#                                           without it: libstdc++ load order) and USE_MNNVL=0 (no fabric memory
+#                                           on one shared GPU: cudaMalloc + CUDA IPC); this script sets both.
 #      mem-<run>                            a short (16 iterations) <run> with --record-memory-history
 #      prof-<run>                           a short <run> (PROF_ITERS, default 14) under the torch profiler for
 #                                           iterations PROF_START..PROF_END-1 (default 10, 11): OUT/prof-<run>/
@@ -147,6 +160,20 @@ EP2_SMALL=(  # EP overlap: 2 layers, 1024 tokens a micro-batch, global 8 / (micr
 # stream wait for the side stream and the host for the host part). So every dispatch/combine blocks the host
 # for a host-side all-to-all: step times here are not NCCL's, the memory per rank is what the rings change.
 EP2_OVERLAP=(--overlap-moe-expert-parallel-comm)
+# hep-*: the shape the seed's queue was first measured at on one GPU (docs/megatron.md): 2 layers, hidden 4096,
+# 16 experts top-4 (8 local), sequence 4096, global 8 / (micro 1 x DP 2) = 4 microbatches a rank.
+HEP=(
+  --num-layers 2 --hidden-size 4096 --ffn-hidden-size 4096 --moe-ffn-hidden-size 2048
+  --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096
+  --micro-batch-size 1 --global-batch-size 8 --num-experts 16 --moe-router-topk 4
+)
+HEP_PATH=(--distributed-backend gloo --expert-model-parallel-size 2 --moe-token-dispatcher-type flex
+  --moe-flex-dispatcher-backend hybridep --moe-flex-dispatcher-num-sms 16 --moe-router-dtype fp32
+  --overlap-moe-expert-parallel-comm --swiglu "${TE[@]}" "${PAD[@]}")
+# Ring depths: `bufreuse plan` on the hep-fp8-rings arguments (docs/benchmarks.md, "HybridEP at EP = 2").
+HEP_EXPERT=(--moe-hybridep-num-expert-output-buffers "${HEP_EXPERT_SLOTS:-1}")
+HEP_DISPATCH=(--moe-hybridep-reuse-dispatch-output-buffers
+  --moe-hybridep-num-dispatch-output-buffers "${HEP_DISPATCH_SLOTS:-1}" --moe-hybridep-num-expert-output-buffers 0)
 # `bufreuse plan` on the ep2-gloo-overlap-rings arguments (--data-parallel-size 2): schedule combined, m = 4,
 # dispatch_output minimum 1 (released after forward: the mlp node frees its input, 4 local experts; the plan's
 # model has the control holding 4 x 8 MiB pending-free), expert_fc2_output minimum 1 but "not used" (with 4 local experts the combine
@@ -172,11 +199,14 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
   # ep2-gloo-overlap-*: more than one hardware queue (megatron's advice for EP overlap, arguments.py:1426-1435),
   # and every rank's allocator history, dumped per rank (Megatron's own dump is the last rank's only)
   local snapshots=""
-  if [[ ${RUN_BASE:-$name} == *ep2-gloo-overlap-* ]]; then
+  if [[ ${RUN_BASE:-$name} == *ep2-gloo-overlap-* || ${RUN_BASE:-$name} == hep-* ]]; then
     snapshots=$out/$name-snapshots
     launch=(torchrun --nproc-per-node 2 --master-port 29533 --no-python env LOCAL_RANK=0
       CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$repo/scripts/rank_snapshots.py" --out "$snapshots")
   fi
+  # hep-*: what DeepEP's HybridEP kernels need on one shared GPU (see the header)
+  [[ ${RUN_BASE:-$name} == hep-* ]] && launch=(env USE_MNNVL=0
+    LD_PRELOAD=${HEP_LIBSTDCXX:-/usr/lib/x86_64-linux-gnu/libstdc++.so.6}${LD_PRELOAD:+:$LD_PRELOAD} "${launch[@]}")
   # LAUNCHER=python: one process, torchrun's environment set by hand (saves torchrun's own start-up)
   [ "${LAUNCHER:-torchrun}" = python ] && launch=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 python3)
@@ -195,6 +225,7 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
 shape() {  # run name -> the name of its shape array
   case $1 in
     ep2-gloo-overlap-*) echo EP2_SMALL ;;
+    hep-*) echo HEP ;;
     gb4-*) echo GB4 ;;
     gb-*) echo GB ;;
     *) echo TINY ;;
@@ -227,6 +258,12 @@ spec() {  # run name -> the arguments after COMMON (empty and status 1 for an un
     ep2-gloo-overlap-control) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_OVERLAP[*]}" ;;
     ep2-gloo-overlap-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_OVERLAP[*]} ${EP2_OVERLAP_RINGS[*]}" ;;
     ep2-gloo-kept-rings) echo "${LOCAL[*]} ${EP2_GLOO[*]} ${EP2_RINGS[*]} --moe-bufreuse-keep-unused-rings" ;;
+    hep-control) echo "${HEP_PATH[*]}" ;;
+    hep-rings) echo "${HEP_PATH[*]} ${HEP_EXPERT[*]}" ;;
+    hep-fp8-control | hep-fp8e-control | hep-fp8d-control) echo "${HEP_PATH[*]} ${FP8[*]}" ;;
+    hep-fp8-rings) echo "${HEP_PATH[*]} ${FP8[*]} ${HEP_DISPATCH[*]:0:3} ${HEP_EXPERT[*]}" ;;
+    hep-fp8e-rings) echo "${HEP_PATH[*]} ${FP8[*]} ${HEP_EXPERT[*]}" ;;
+    hep-fp8d-rings) echo "${HEP_PATH[*]} ${FP8[*]} ${HEP_DISPATCH[*]}" ;;
     *) return 1 ;;
   esac
 }
