@@ -105,8 +105,8 @@ def run_demo(
             result.summary.append(f"snapshot {snap['file']}: unreadable: {snap['error']}")
             continue
         result.summary.append(
-            f"snapshot {snap['file']}: max reserved {_mib(snap.get('max_reserved_bytes'))} MiB, pending-free at "
-            f"max active {_mib(snap.get('pending_free_at_max_active_bytes'))} MiB"
+            f"snapshot {snap['file']}: max reserved (traced steps) {_mib(snap.get('max_reserved_bytes'))} MiB, "
+            f"pending-free at max active {_mib(snap.get('pending_free_at_max_active_bytes'))} MiB"
         )
     result.files.append(atomic_write_text(out / "summary.txt", "\n".join(result.summary) + "\n"))
     result.files.append(
@@ -171,7 +171,8 @@ def _snapshot_outputs(paths: list[Path], base: Path, out: Path) -> tuple[list[di
         renderables.append(file_renderable(report))
         if res.timeline is not None:
             png = out / "snapshots" / (_strip_snapshot_suffix(name).replace("/", "__") + ".png")
-            title = f"{name} (device {report['device']}): max reserved {_mib(report['max_reserved_bytes'])} MiB"
+            reserved = _mib(report["max_reserved_bytes"])
+            title = f"{name} (device {report['device']}): max reserved (traced steps) {reserved} MiB"
             files.append(atomic_write_bytes(png, png_bytes(timeline_figure(res.timeline, title=title))))
     text = renderable_text(snapshots_table(reports)) + "".join(renderable_text(r) for r in renderables)
     files.insert(0, atomic_write_json(out / "snapshots.json", json_ready(reports)))
@@ -203,7 +204,7 @@ def _sweep_outputs(sweep: SweepDir, folder: Path, name: str, summary: list[str],
             continue
         step = f", step {r.step_delta_pct:+.1f}%" if r.step_delta_pct is not None else ""
         summary.append(
-            f"{name}: {r.config_id} max reserved {_mib(r.max_reserved_bytes)} MiB vs control "
+            f"{name}: {r.config_id} peak reserved (whole process) {_mib(r.max_reserved_bytes)} MiB vs control "
             f"{_mib(control.max_reserved_bytes)} MiB ({(r.max_reserved_bytes / control.max_reserved_bytes - 1):+.0%})"
             f"{step}"
         )

@@ -80,7 +80,7 @@ def test_tables_off_a_terminal_keep_whole_headers(tmp_path: Path) -> None:
     args = ["sweep", "--workload", "cpu-smoke", "--slots", "0,2", "--steps", "2", "--root", str(tmp_path)]
     result = runner.invoke(app, [*args, "--name", "wide"])
     assert result.exit_code == 0, result.output
-    for header in ("reserved MiB", "pending-free MiB", "step ms"):
+    for header in ("peak reserved MiB", "pending-free MiB", "step ms"):
         assert header in result.stdout
 
 

@@ -51,7 +51,7 @@ def test_run_demo_writes_every_table_and_plot(tmp_path: Path) -> None:
     assert compare["baseline"] == "slots0"
     assert [c["label"] for c in compare["comparisons"]] == ["slots2", "slots4", "slots10", "stream-ordered"]
     summary = (out / "summary.txt").read_text()
-    assert "slots4 max reserved 3,112 MiB vs control 5,672 MiB" in summary
+    assert "slots4 peak reserved (whole process) 3,112 MiB vs control 5,672 MiB" in summary
     assert "compare slots4-graph vs slots0-graph" in summary
     assert "snapshot h200-eager/slots0/snapshot.pickle.gz" in summary
 

@@ -67,10 +67,29 @@ def _detail_table(result: ComparisonResult, comp: RunComparison) -> Table:
     table.add_column(rich_text(result.baseline), justify="right")
     table.add_column(rich_text(comp.label), justify="right")
     table.add_column("Δ (Δ%) verdict")
+    kinds = frozenset({comp.kind, *(r.kind for r in result.runs if r.label == result.baseline)})
     for m in comp.metrics:
-        name = f"{rich_text(m.title)} ({m.unit})"
+        name = f"{rich_text(_title(m.metric, m.title, kinds))} ({m.unit})"
         table.add_row(name, _fmt(m.baseline, m.unit), _fmt(m.value, m.unit), _delta_cell(m))
     return table
+
+
+def _title(metric: str, title: str, kinds: frozenset[str]) -> str:
+    """The name of what a memory figure covers, as every other command names it (one name per quantity).
+
+    A snapshot's reserved figure is the max over the steps it traced (``snapshot-report``'s "max reserved"); a
+    sweep's or a log's is the peak of the whole process (``torch.cuda.max_memory_reserved()``): for one control
+    run they differ (the proxy's: 6,488 and 7,000 MiB), so the label says which it is.
+    """
+    if metric == "max_active_mib":
+        return "max active (allocated + pending-free)"
+    if metric != "max_reserved_mib":
+        return title
+    if kinds == {"snapshot"}:
+        return "max reserved (traced steps)"
+    if "snapshot" not in kinds:
+        return "peak reserved (whole process)"
+    return "reserved: snapshot's max over its traced steps vs the peak of a whole process"
 
 
 _HEADERS = {
@@ -79,13 +98,12 @@ _HEADERS = {
     "tflops": "TFLOP/s",
     "step_ms_mean": "step mean",
     "step_ms_median": "step med",
-    "max_allocated_mib": "allocated",
-    "max_reserved_mib": "reserved",
-    "max_active_mib": "active",
+    "max_allocated_mib": "peak allocated",
+    "max_reserved_mib": "peak reserved",
+    "max_active_mib": "max active",
     "device_used_mib": "device",
     "pending_free_mib": "pending-free",
 }
-_SHORT = {"improvement": "better", "parity": "parity", "regression": "WORSE", "inconclusive": "unsure", "n/a": "n/a"}
 
 
 def _overview_table(result: ComparisonResult) -> Table:
@@ -96,8 +114,10 @@ def _overview_table(result: ComparisonResult) -> Table:
                 keys.append((m.metric, m.title))
     table = Table(title=f"overview: Δ% vs baseline {rich_text(result.baseline)}", header_style="bold")
     table.add_column("run")
+    snapshots_only = all(r.kind == "snapshot" for r in result.runs)
     for key, title in keys:
-        table.add_column(_HEADERS.get(key) or rich_text(title), justify="right")
+        header = "max reserved" if key == "max_reserved_mib" and snapshots_only else _HEADERS.get(key)
+        table.add_column(header or rich_text(title), justify="right")
     for comp in result.comparisons:
         cells: list[str | Text] = [Text(comp.label)]
         for key, _ in keys:
@@ -105,8 +125,8 @@ def _overview_table(result: ComparisonResult) -> Table:
             if m is None or m.delta_pct is None:
                 cells.append(Text(m.verdict if m else "—", style="dim"))
             else:
-                short, style = (_SHORT[m.verdict], _STYLE[m.verdict]) if not m.explained_by else ("rings", "yellow")
-                cells.append(Text(f"{m.delta_pct:+.1f}% {short}", style=style))
+                word = "explained" if m.explained_by else m.verdict
+                cells.append(Text(f"{m.delta_pct:+.1f}% {word}", style=_STYLE[word]))
         table.add_row(*cells)
     return table
 

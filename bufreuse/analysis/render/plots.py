@@ -327,8 +327,9 @@ def _plot(rows: list[SweepRow], attr: str, ylabel: str, scale: float, title: str
 
 
 def plot_reserved(rows: list[SweepRow], *, run: str = "") -> Figure:
-    """Max reserved (MiB) against slots; stream-ordered as a dashed line."""
-    return _plot(rows, "max_reserved_bytes", "max reserved (MiB)", MIB, "Max reserved memory vs ring slots", run=run)
+    """Peak reserved of the whole process (MiB) against slots; stream-ordered as a dashed line."""
+    title = "Peak reserved memory (whole process) vs ring slots"
+    return _plot(rows, "max_reserved_bytes", "peak reserved, whole process (MiB)", MIB, title, run=run)
 
 
 def plot_step_time(rows: list[SweepRow], *, run: str = "") -> Figure:

@@ -1,4 +1,4 @@
-"""The sweep table: slots, mode, max reserved (+delta vs control), pending-free, step time (+delta %)."""
+"""The sweep table: slots, mode, the process's peak reserved (+delta), pending-free, step time (+delta %)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _mib(v: int | None, *, signed: bool = False) -> str:
 
 
 def sweep_table(rows: list[SweepRow], *, title: str | None = None) -> Table:
-    """A rich table: slots, mode, max reserved (+delta vs control), pending-free, step time (+delta %).
+    """A rich table: slots, mode, the process's peak reserved (+delta), pending-free, step time (+delta %).
 
     Compact enough for 80 columns; a ``status`` column appears only when some row is not ``ok``.
     """
@@ -26,7 +26,7 @@ def sweep_table(rows: list[SweepRow], *, title: str | None = None) -> Table:
     t = Table(title=None if title is None else rich_text(title), title_justify="left")
     columns = [("slots", "right"), ("mode", "left")] + ([("status", "left")] if show_status else [])
     columns += [
-        ("reserved MiB", "right"), ("Δ vs control", "right"), ("alloc MiB", "right"),
+        ("peak reserved MiB", "right"), ("Δ vs control", "right"), ("alloc MiB", "right"),
         ("pending-free MiB", "right"), ("step ms", "right"), ("Δ step", "right"),
     ]  # fmt: skip
     for name, justify in columns:
