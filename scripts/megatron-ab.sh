@@ -176,7 +176,8 @@ for line in open(sys.argv[1]).read().splitlines():
         d = json.loads(line)
         folder, name = d["file"].replace("\\", "/").split("/")[-2:]
         arm = re.search(r"-(control|rings)-\d+-snapshots$", folder).group(1)
-        moe = sum(v for k, v in d["pending_free_by_category_at_max_active"].items() if k != "other")
+        ring = ("dispatch_output", "expert_output")  # what a ring replaces (moe_other: combine outputs, gradients)
+        moe = sum(v for k, v in d["pending_free_by_category_at_max_active"].items() if k in ring)
         arms[arm][int(re.match(r"rank(\d+)", name).group(1))] = (moe, d["max_reserved_bytes"], d["recording"])
 if not arms["control"] or not arms["rings"]:
     sys.exit(f"== {sys.argv[2]}: snapshot-report gave no report for an arm")

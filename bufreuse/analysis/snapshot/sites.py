@@ -32,19 +32,27 @@ __all__ = [
     "BUILTIN_CATEGORIES",
     "DEFAULT_SITE_SKIP",
     "NO_FRAMES_SITE",
+    "RING_CATEGORIES",
     "UNKNOWN_SITE",
     "SiteRules",
     "parse_category_options",
 ]
 
+_MOE_FILES = r"token_dispatcher|hybrid_ep|fused_a2a|grouped_linear|GroupedMLP|SequentialMLP|experts|moe_utils"
 BUILTIN_CATEGORIES: dict[str, str] = {
+    "moe_other": rf"({_MOE_FILES})[^\n]*:(backward\w*|\w*combine\w*|\w*unpermute\w*)$",
     "dispatch_output": r"token_dispatcher|hybrid_ep|fused_a2a|dispatch_with_permute|:\w*dispatch(_tokens?)?$",
     "expert_output": r"grouped_linear|GroupedMLP|SequentialMLP|TEGroupedMLP|expert_fc2",
 }
-"""The two MoE buffers the rings replace (the shared contract; user rules come first).
+"""The two MoE buffers the rings replace (the shared contract; user rules come first), after ``moe_other``.
 
 Matched line by line (``re.M``) on ``filename:name`` of user Python frames only: a function named
-``dispatch``, ``*_dispatch`` or ``*dispatch_tokens``, or a Megatron/TE MoE file or class."""
+``dispatch``, ``*_dispatch`` or ``*dispatch_tokens``, or a Megatron/TE MoE file or class. ``moe_other``
+is tried first: a block allocated under a MoE file's autograd ``backward`` (gradients: GroupedLinear's dgrad,
+HybridEP's backward dispatch and combine) or in a combine / unpermute (the combine's output) is MoE memory
+that no ring replaces, so it is never counted as ``dispatch_output`` or ``expert_output``."""
+RING_CATEGORIES = ("dispatch_output", "expert_output")
+"""The categories a ring replaces (what ``advise`` and the A/B summaries count as removable)."""
 
 _PY_FILE = re.compile(r"(\.pyw?$|^<ipython-input-)", re.I)
 _WIN_STDLIB = r"(?i:(^|/)python3\d*/lib/)(?!site-packages/)"  # C:/Python311/Lib/threading.py
@@ -88,7 +96,7 @@ class SiteRules:
             for name, rx in BUILTIN_CATEGORIES.items()
             if name not in self.categories
         ]
-        self._moe = re.compile("|".join(f"(?:{rx})" for rx in BUILTIN_CATEGORIES.values()), re.M)
+        self._moe = re.compile("|".join(f"(?:{BUILTIN_CATEGORIES[c]})" for c in RING_CATEGORIES), re.M)
 
     @property
     def category_names(self) -> list[str]:
