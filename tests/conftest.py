@@ -7,6 +7,9 @@ missing Transformer Engine into a failure, so TE tests run there instead of skip
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -35,6 +38,35 @@ def _te_available() -> bool:
 MEGATRON_SKIP_REASON = "needs megatron-core (pip install -e '.[megatron]', or bash scripts/ci/install-megatron.sh)"
 
 
+TE_SKIP_REASON = "needs Transformer Engine (CUDA build; on the H200: scripts/device-te.sh, then scripts/gpu-tests.sh)"
+_MISSING_MODULE = re.compile(r"No module named '([A-Za-z_][\w]*)")
+_FIXES = {"megatron": MEGATRON_SKIP_REASON, "transformer_engine": TE_SKIP_REASON}
+"""What a skip for a missing module says to do, by top-level module: a bare ``importorskip("megatron.core")``
+says only "No module named 'megatron'"; the hooks below add the fix to every such skip reason."""
+
+
+def _name_the_fix(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    path, line, reason = report.longrepr
+    found = _MISSING_MODULE.search(reason)
+    fix = _FIXES.get(found.group(1)) if found else None
+    if fix is not None and fix not in reason:
+        report.longrepr = (path, line, f"{reason}: {fix}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    _name_the_fix(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, None]:
+    outcome = yield
+    _name_the_fix(outcome.get_result())
+
+
 @pytest.fixture(scope="module")
 def parallel():
     """A world of one process with megatron's model-parallel state set up (CPU, gloo) for the module; modules that
@@ -53,9 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if any(item.get_closest_marker("te") for item in items) and not _te_available():
         if os.environ.get("BUFREUSE_REQUIRE_TE", "") not in ("", "0"):
             raise pytest.UsageError("BUFREUSE_REQUIRE_TE is set but transformer_engine.pytorch does not import")
-        skip_te = pytest.mark.skip(
-            reason="needs Transformer Engine (CUDA build; on the H200: scripts/device-te.sh, then scripts/gpu-tests.sh)"
-        )
+        skip_te = pytest.mark.skip(reason=TE_SKIP_REASON)
         for item in items:
             if item.get_closest_marker("te"):
                 item.add_marker(skip_te)

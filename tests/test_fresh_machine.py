@@ -193,3 +193,28 @@ def test_ci_runs_the_readme_pypi_install_line() -> None:
                 if "README, quick start" in line and "pip install" in line]  # fmt: skip
     assert ci_lines and readme_lines, (ci_lines, readme_lines)
     assert shlex.split(ci_lines[0]) == shlex.split(readme_lines[0]), (ci_lines, readme_lines)
+
+
+BARE_IMPORTORSKIP = """
+import pytest
+
+pytest.importorskip("megatron.core")
+
+
+def test_needs_megatron():
+    pass
+"""
+
+
+def test_a_bare_megatron_importorskip_names_the_fix(tmp_path: Path) -> None:
+    """Issue 46 item 6: a module that skips with a bare ``importorskip("megatron.core")`` says how to get it."""
+    (tmp_path / "block_megatron.py").write_text(BLOCK)
+    (tmp_path / "test_bare.py").write_text(BARE_IMPORTORSKIP)
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    pass\n")  # so the run collects a test
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(TESTS)])}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "block_megatron",
+           "-p", "conftest", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed, 1 skipped" in out, out
+    assert "No module named 'megatron" in out and "install-megatron.sh" in out, out
