@@ -337,7 +337,7 @@ def test_compare_sweep_ring_explanation_and_memory_verdicts(tmp_path: Path) -> N
     assert ring4.metric("max_allocated_mib").verdict == "regression"
     assert ring4.ring_bytes == 2 * 4 * SLOT_BYTES
     assert ring4.explained is False  # 2048 MiB of rings vs +1588 MiB: the control's transients are gone
-    assert "-460 MiB is not ring storage" in ring4.explanation
+    assert "460 MiB below the ring storage" in ring4.explanation
     assert ring4.metric("pending_free_mib").verdict == "improvement"
     assert ring4.metric("step_ms_median").verdict == "parity"
     assert ring4.node_sets == "same" and not any("node" in c for c in ring4.caveats)

@@ -234,8 +234,11 @@ def explain_allocated(
         verdict = f"the rings account for it ({ring_mib / m.delta:.0%})" if m.delta else "the rings account for it"
     else:
         rest = m.delta - ring_mib
-        verdict = f"{rest:+.0f} MiB is not ring storage" + (
-            " (likely transient buffers in the control's peak that the rings replace)" if rest < 0 else ""
+        verdict = (
+            f"{-rest:.0f} MiB below the ring storage (likely transient buffers in the control's peak that the rings "
+            "replace)"
+            if rest < 0
+            else f"{rest:.0f} MiB beyond the ring storage"
         )
     explanation = (
         f"ring storage {' + '.join(parts) or 'none'} = {ring_mib:+g} MiB"
