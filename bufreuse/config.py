@@ -38,8 +38,10 @@ __all__ = [
     "nccl_records_streams",
     "pending_free_at_ep",
     "persistent_bytes",
+    "probs_cast_copies",
     "single_rank_expert",
     "static_bounds",
+    "sync_collectives_on_current_stream",
     "tokens_per_microbatch",
     "torch_assumption",
     "unused_rings",
@@ -550,9 +552,15 @@ class TorchAssumption:
 
     version: str | None
     source: str
+    current_stream: bool | None = None
+    """For an installed pre-release (``2.8.0a0+...``): what its ``all_to_all_single`` does with a synchronous
+    collective (:func:`sync_collectives_on_current_stream`), which decides instead of the version string; None: not
+    probed (a release, an option, nothing installed)."""
 
     def records_streams(self, env: Mapping[str, str] | None = None) -> bool:
-        """:func:`nccl_records_streams` for this version (an assumed >= 2.8: False)."""
+        """:func:`nccl_records_streams` for this version (an assumed >= 2.8: False), or by the probed behaviour."""
+        if self.current_stream is not None:
+            return not self.current_stream and not _avoid_record_streams(os.environ if env is None else env)
         return self.version is not None and nccl_records_streams(self.version, env)
 
     def text(self, env: Mapping[str, str] | None = None) -> str:
@@ -562,9 +570,15 @@ class TorchAssumption:
         how = {"installed": "installed here", "option": "--torch-version"}.get(self.source, self.source)
         out = f"judged for torch {self.version} ({how})"
         counted, literal = _torch_minor(self.version), re.match(r"\s*(\d+)\.(\d+)", self.version)
-        if counted is not None and literal is not None and counted != (int(literal[1]), int(literal[2])):
+        if self.current_stream is not None:
+            out += (", a pre-release judged by what it does: its all_to_all_single leaves a synchronous collective "
+                    "to the backend (no work.wait(): run on the current stream, no record_stream), as 2.8 does"
+                    if self.current_stream else
+                    ", a pre-release judged by what it does: its all_to_all_single waits on the work of a "
+                    "synchronous collective (run on NCCL's own stream, record_stream), as 2.7 does")  # fmt: skip
+        elif counted is not None and literal is not None and counted != (int(literal[1]), int(literal[2])):
             out += f", a pre-release counted as {counted[0]}.{counted[1]}"
-        if nccl_records_streams(self.version, {}) and not nccl_records_streams(self.version, env):
+        if self.records_streams({}) and not self.records_streams(env):
             out += " with TORCH_NCCL_AVOID_RECORD_STREAMS set (environment)"
         return out
 
@@ -582,7 +596,46 @@ def torch_assumption(version: str | None = None) -> TorchAssumption:
             raise InputError(f"--torch-version {version!r}: expected a torch version such as 2.7.1 or 2.8.0a0")
         return TorchAssumption(version.strip(), "option")
     installed = _installed_torch()
-    return TorchAssumption(installed, "installed") if installed is not None else TorchAssumption(None, "assumed")
+    if installed is None:
+        return TorchAssumption(None, "assumed")
+    return TorchAssumption(installed, "installed", _probe_if_pre_release(installed))
+
+
+def _probe_if_pre_release(version: str) -> bool | None:
+    """The installed torch's behaviour (:func:`sync_collectives_on_current_stream`) when ``version`` is a pre-release of
+    the release that changed it (2.8.0a0, rc, dev: a nightly or container build between 2.7 and 2.8), else None."""
+    counted, literal = _torch_minor(version), re.match(r"\s*(\d+)\.(\d+)", version)
+    if counted is None or literal is None or (int(literal[1]), int(literal[2])) != (2, 8) or counted == (2, 8):
+        return None
+    return sync_collectives_on_current_stream()
+
+
+def sync_collectives_on_current_stream(source: str | None = None) -> bool | None:
+    """Whether the installed torch leaves a synchronous ``all_to_all_single`` to the backend's stream order.
+
+    pytorch#150398 (torch 2.8) launches a synchronous NCCL collective on the current stream, with no
+    ``record_stream``, and returns no work for it: ``distributed_c10d.all_to_all_single`` then calls ``work.wait()``
+    only ``elif work is not None``. Before it the collective ran on NCCL's own stream, recorded there, and the Python
+    side always waited on the work. Read from the installed ``torch/distributed/distributed_c10d.py`` (no torch
+    import: this module stays torch-free); ``source`` stands in for that file's text (tests). None when the file or
+    the function is not there.
+    """
+    if source is None:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec("torch")
+        except (ImportError, ValueError):
+            return None
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+        path = next((Path(r, "distributed", "distributed_c10d.py") for r in roots), None)
+        if path is None or not path.is_file():
+            return None
+        source = path.read_text(encoding="utf-8", errors="replace")[:2_000_000]
+    m = re.search(r"\ndef all_to_all_single\(.*?(?=\ndef |\Z)", source, re.S)
+    if m is None:
+        return None
+    return re.search(r"elif\s*\(?\s*work\s+is\s+not\s+None", m.group(0)) is not None
 
 
 def _installed_torch() -> str | None:
@@ -623,13 +676,15 @@ def nccl_records_streams(torch_version: str | None = None, env: Mapping[str, str
     """
     env = os.environ if env is None else env
     if torch_version is None:
-        torch_version = _installed_torch()
-        if torch_version is None:
-            return False
+        return torch_assumption().records_streams(env)  # an installed pre-release: by its behaviour
     minor = _torch_minor(torch_version)
     if minor is None or minor >= (2, 8):
         return False
-    return str(env.get("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")).strip().lower() not in ("1", "true", "yes")
+    return not _avoid_record_streams(env)
+
+
+def _avoid_record_streams(env: Mapping[str, str]) -> bool:
+    return str(env.get("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")).strip().lower() in ("1", "true", "yes")
 
 
 def _local_experts(cfg: Any) -> int:
@@ -664,10 +719,12 @@ def pending_free_at_ep(cfg: Any, buffer: str, *, records_streams: bool | None = 
     """
     overlap = bool(_get(cfg, "overlap_moe_expert_parallel_comm", False))
     backend = str(_get(cfg, "distributed_backend", "nccl") or "nccl").lower()
-    if records_streams is None:
-        records_streams = backend == "nccl" and nccl_records_streams()
-    elif backend != "nccl":
+    if backend == "gloo":
         records_streams = False
+    elif backend != "nccl":
+        records_streams = True  # a backend the rule does not know (ucc, mpi, a plugin): assumed to record, rings kept
+    elif records_streams is None:
+        records_streams = nccl_records_streams()
     local = _local_experts(cfg)
     quantized = bool(_get(cfg, "fp8", None) or _get(cfg, "fp4", None))
     if buffer == "dispatch":
@@ -685,9 +742,13 @@ def pending_free_at_ep(cfg: Any, buffer: str, *, records_streams: bool | None = 
         return (f"EP {_get(cfg, 'expert_model_parallel_size', 1)}: the all-to-all runs in order with the "
                 f"compute stream ({_how(backend)}), the dispatch output is freed at once, nothing waits "
                 "pending-free")  # fmt: skip
-    handed_on = local == 1 and not pads_inside_experts(cfg)
+    cast = probs_cast_copies(cfg)
+    handed_on = local == 1 and not pads_inside_experts(cfg) and cast is None
     if handed_on and (records_streams or (overlap and expert_tp(cfg) == 1)):
         return None
+    if cast is not None and local == 1 and not pads_inside_experts(cfg):
+        return (f"{cast}: the reduce-scatter reads that copy, so the FC2 output is freed at once, nothing waits "
+                "pending-free")  # fmt: skip
     if not handed_on:
         return ("the combine's collective reads a copy of the FC2 output (the local-expert sort or FP8 unpadding "
                 "on the compute stream), so the FC2 output is freed at once, nothing waits pending-free")  # fmt: skip
@@ -696,6 +757,25 @@ def pending_free_at_ep(cfg: Any, buffer: str, *, records_streams: bool | None = 
                 "the comm stream gets its result, nothing waits pending-free")  # fmt: skip
     return (f"the combine all-to-all runs in order with the compute stream ({_how(backend)}), the FC2 output is "
             "freed at once, nothing waits pending-free")  # fmt: skip
+
+
+def probs_cast_copies(cfg: Any) -> str | None:
+    """Why the combine copies the FC2 output before its expert-TP reduce-scatter, or None when it does not.
+
+    megatron-core 0.19.2 ``MoEAlltoAllTokenDispatcher.combine_preprocess`` at expert TP > 1 reduce-scatters
+    ``hidden_states.to(self.probs.dtype)``; the router's probs are in ``moe_router_dtype`` (fp32 / fp64) when it is
+    set, else in the activations' dtype (``router.py``: logits in the router dtype, ``moe_utils``: probs
+    ``type_as(logits)``). A different dtype makes ``.to`` a copy on the compute stream, and the collective reads the
+    copy, not the FC2 output.
+    """
+    if expert_tp(cfg) == 1:
+        return None
+    router = str(_get(cfg, "moe_router_dtype", None) or "").lower()
+    probs = {"fp32": 4, "fp64": 8}.get(router)
+    if probs is None or probs == _element_size(cfg):
+        return None
+    return (f"expert TP {expert_tp(cfg)} with moe_router_dtype={router}: combine_preprocess casts the FC2 output to "
+            f"the router probs' {router} before the reduce-scatter, a copy on the compute stream")  # fmt: skip
 
 
 def _how(backend: str) -> str:

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -49,10 +50,16 @@ if TYPE_CHECKING:
 
     from bufreuse.pool import BufferPool
 
-__all__ = ["GroupSizes", "Installation", "group_sizes", "install", "installed"]
+__all__ = ["GroupSizes", "Installation", "RingStandDownWarning", "ep_backend", "group_sizes", "install", "installed"]
 
 _MARK = "_bufreuse_hooked"
 _log = logging.getLogger("bufreuse.integrations")
+_WARNED: set[tuple[str, str]] = set()
+"""(ring, reason) pairs already warned about in this process (install runs once per model chunk)."""
+
+
+class RingStandDownWarning(UserWarning):
+    """An enabled ring stands down: ``install()`` hooks nothing for it (it would replace nothing there)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +94,29 @@ class GroupSizes:
         if self.disagreement() is None:
             return cfg
         return ConfigView(cfg, expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
+
+
+def ep_backend(layer: Any) -> str | None:
+    """The backend of ``layer``'s EP group (``gloo``, ``nccl``, ...), as its token dispatcher's all-to-all runs on it.
+
+    megatron-core's ``TransformerConfig`` has no backend field, so without this the stream rule assumed NCCL. A
+    group with one backend per device type (``cpu:gloo,cuda:nccl``) gives the one of the device the layer's
+    parameters are on. None when the dispatcher has no EP group or torch.distributed cannot say.
+    """
+    group = getattr(getattr(layer, "token_dispatcher", None), "ep_group", None)
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    try:
+        name = str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return None
+    if ":" in name:
+        pairs = dict(p.split(":", 1) for p in name.split(",") if ":" in p)
+        device = next((p.device.type for p in layer.parameters()), "cuda")
+        name = pairs.get(device) or pairs.get("cuda") or next(iter(pairs.values()), name)
+    return name.strip() or None
 
 
 def _group_size(dispatcher: Any, attr: str) -> int | None:
@@ -144,8 +174,11 @@ def install(
 
     Each layer is decided on the EP and expert-TP sizes its token dispatcher really uses
     (:func:`group_sizes`; a custom ``pg_collection`` may differ from the config's fields, which are the
-    fallback): which rings replace nothing (:func:`bufreuse.config.unused_rings`), the static bounds, the
-    refusals and the release rules; a disagreement with the config is logged once as a warning.
+    fallback) and on its EP group's backend (:func:`ep_backend`: gloo is judged as gloo, not as NCCL):
+    which rings replace nothing (:func:`bufreuse.config.unused_rings`), the static bounds, the
+    refusals and the release rules; a disagreement with the config is logged once as a warning. An enabled
+    ring that stands down is warned about once per process (:class:`RingStandDownWarning`, with the reason;
+    ``Installation.unused`` has it too).
 
     Run :func:`bufreuse.integrations.requirements.validate` first: it names every unmet setting at
     once, where ``install`` refuses at the first layer it cannot hook.
@@ -212,6 +245,7 @@ def install(
         for buffer, why in unused_rings(cfg, knobs, dispatch_path(cfg)).items():
             inst.unclaim(layer, buffer, why)
             ring_slots.pop(buffer, None)
+    _warn_stood_down(inst)
     if layers and ring_slots:
         _refuse_scheduled_release(layers[0].config)
         chunk_layers = [sum(isinstance(m, MoELayer) for m in root.modules()) for root in modules]
@@ -271,22 +305,41 @@ def installed(
 
 
 def _decide_group_sizes(inst: Installation, layers: list[Any]) -> None:
-    """Decide each layer on its dispatcher's EP / expert-TP sizes (:func:`group_sizes`); warn once per mismatch.
+    """Decide each layer on its dispatcher's EP / expert-TP sizes (:func:`group_sizes`) and its EP group's backend
+    (:func:`ep_backend`); warn once per size mismatch.
 
-    A layer whose sizes agree with its config keeps ``layer.config``; one that disagrees gets a view of it
-    with those two fields replaced (``Installation.config_of``), which the unused-ring rule, the refusals,
+    A layer whose sizes agree with its config and whose EP group is NCCL (what the rule assumes of a
+    ``TransformerConfig``) keeps ``layer.config``; otherwise it gets a view of it with the sizes and
+    ``distributed_backend`` replaced (``Installation.config_of``), which the unused-ring rule, the refusals,
     the static bounds and the release rules then read.
     """
     warned: set[str] = set()
     for layer in layers:
         sizes = group_sizes(layer)
         why = sizes.disagreement()
-        if why is None:
-            continue
-        inst.use_config(layer, sizes.fields(layer.config))
-        if why not in warned:
+        backend = ep_backend(layer)
+        cfg = sizes.fields(layer.config)
+        if backend is not None and backend != "nccl":
+            cfg = ConfigView(cfg, distributed_backend=backend)
+        if cfg is not layer.config:
+            inst.use_config(layer, cfg)
+        if why is not None and why not in warned:
             warned.add(why)
             _log.warning("bufreuse: %s", why)
+
+
+def _warn_stood_down(inst: Installation) -> None:
+    """Warn (once per process per ring and reason) that an enabled ring stands down: the knob asked for it."""
+    for ring, why in inst.unused.items():
+        if (ring, why) in _WARNED:
+            continue
+        _WARNED.add((ring, why))
+        keep = "" if why.startswith(("EP = 1", "EP x ETP = 1")) else "; moe_bufreuse_keep_unused_rings keeps it"
+        warnings.warn(
+            f"bufreuse: ring '{ring}' enabled but stands down (install() hooks nothing for it): {why}{keep}",
+            RingStandDownWarning,
+            stacklevel=3,
+        )
 
 
 def _refuse_scheduled_release(cfg: Any) -> None:
