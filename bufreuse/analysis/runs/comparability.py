@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bufreuse.analysis.runs.record import RunRecord
 
-__all__ = ["CONFIG_FIELDS", "SCOPES", "config_caveats", "run_config", "scope_conflict"]
+__all__ = ["CONFIG_FIELDS", "SCOPES", "SOFTWARE", "config_caveats", "run_config", "scope_conflict", "software_caveats"]
 
 CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("world_size", "world size"),
@@ -142,6 +142,20 @@ def config_caveats(base: RunRecord, run: RunRecord) -> list[str]:
 
 _MOE_KEYS = frozenset({"num_experts", "moe_router_topk", "expert_model_parallel_size", "moe_token_dispatcher_type"})
 """MoE keys whose absence on one side is itself a difference (a dense run prints none of them)."""
+
+
+SOFTWARE = (("torch", "torch"), ("deepspeed", "DeepSpeed"), ("cuda", "CUDA (torch's)"))
+"""(key in :attr:`RunRecord.software`, name in caveats)."""
+
+
+def software_caveats(base: RunRecord, run: RunRecord) -> list[str]:
+    """Every software version both runs print and that differs (``software differs: torch 2.1.0 in a, ...``)."""
+    out = []
+    for key, name in SOFTWARE:
+        a, b = base.software.get(key), run.software.get(key)
+        if a is not None and b is not None and a != b:
+            out.append(f"software differs: {name} {a} in {base.label}, {b} in {run.label}")
+    return out
 
 
 def scope_conflict(base: RunRecord, run: RunRecord) -> str | None:

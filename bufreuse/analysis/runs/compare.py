@@ -15,9 +15,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bufreuse.analysis.runs.comparability import config_caveats, scope_conflict
+from bufreuse.analysis.runs.comparability import config_caveats, scope_conflict, software_caveats
 from bufreuse.analysis.runs.record import RunRecord
 from bufreuse.analysis.runs.resolve import resolve_runs
+from bufreuse.analysis.runs.span import common_span, trim
 from bufreuse.analysis.runs.stats import bootstrap_diff, mean_diff_interval, metric_values, run_stats
 from bufreuse.analysis.runs.verdicts import (
     Bands,
@@ -47,6 +48,9 @@ class RunComparison:
     caveats: list[str] = field(default_factory=list)
     comparability: list[str] = field(default_factory=list)
     """Configuration and scope differences against the baseline, stated above the verdicts."""
+    span: dict[str, Any] | None = None
+    """Set when the two logs cover different iteration spans (:class:`.span.Span`'s ``to_dict``): throughput and
+    step time are then compared over the ``common`` span."""
     ring_bytes: int | None = None
     explanation: str | None = None
     explained: bool | None = None
@@ -217,8 +221,22 @@ def _compare_one(
     comp.node_sets, caveat = node_sets(base, run)
     if caveat:
         comp.caveats.append(caveat)
+    software = software_caveats(base, run)
+    comp.comparability.extend(software)
+    unlike = [
+        w
+        for w, yes in (("different node sets", comp.node_sets == "differ"), ("different software", bool(software)))
+        if yes
+    ]
     if caveat := oom_caveat(base, run):
         comp.caveats.append(caveat)
+    span = common_span(base, run) if run.status == "ok" else None
+    if span is not None:  # like with like: the iterations both logs cover
+        comp.span = span.to_dict()
+        comp.comparability.append(span.caveat(base.label, run.label))
+        if span.common is not None:
+            base, run = trim(base, span.common), trim(run, span.common)
+            stats = {base.label: run_stats(base), run.label: run_stats(run)}
     bv, rv = metric_values(stats[base.label]), metric_values(stats[run.label])
     for key, (title, unit, better) in _TITLES.items():
         if bv[key] is None and rv[key] is None:
@@ -238,7 +256,7 @@ def _compare_one(
                     m.ci_low, m.ci_high = ci
             elif key == "tflops":
                 m.n_baseline, m.n_value = 1, 1  # one reported figure a side, no spread known
-            judge(m, bands, differ=comp.node_sets == "differ")
+            judge(m, bands, differ=bool(unlike), unlike=" and ".join(unlike))
             oom_bound(m, base, run)
         comp.metrics.append(m)
     comp.ring_bytes = run.ring_bytes

@@ -154,6 +154,47 @@ GRAMMARS: tuple[LineGrammar, ...] = (
         yields="the job's node set (compressed host list, expanded only when small)",
     ),
     LineGrammar(
+        name="deepspeed-workers",
+        era="DeepSpeed launcher (multinode_runner.py, pdsh and other multi-node runners), 2020-2026",
+        example=(
+            "[2022-09-08 12:02:15,192] [INFO] [multinode_runner.py:65:get_cmd] Running on the following workers:"
+            " worker-0,worker-1"
+        ),
+        pattern=re.compile(r"Running on the following workers:\s*([^\s,]+(?:,[^\s,]+)*)"),
+        yields="the job's node set (comma-separated host names)",
+    ),
+    LineGrammar(
+        name="deepspeed-world-info",
+        era="DeepSpeed launcher (launch.py on each node), 2020-2026",
+        example=(
+            "worker-1: [2022-09-08 12:02:16,518] [INFO] [launch.py:136:main] WORLD INFO DICT: "
+            "{'worker-0': [0, 1], 'worker-1': [0, 1]}"
+        ),
+        pattern=re.compile(r"WORLD INFO DICT:\s*\{(.*)\}"),
+        yields="the node set (the dict's keys), when no 'Running on the following workers' line is there",
+    ),
+    LineGrammar(
+        name="pdsh-prefix",
+        era="pdsh (DeepSpeed's default multi-node runner) prefixes each node's output with 'host: '",
+        example="worker-1: [2022-09-08 12:02:16,518] [INFO] [launch.py:142:main] nnodes=2, num_local_procs=1",
+        pattern=re.compile(
+            r"^((?=[A-Za-z0-9._-]*[A-Za-z.])[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?): "
+            r"\[\d{4}-\d\d-\d\d \d"
+        ),
+        yields="a host that printed DeepSpeed log lines (a name with a letter or a dot: srun's '0: ' labels are "
+        "ranks); the node set from these hosts when the log names none otherwise",
+    ),
+    LineGrammar(
+        name="software-version",
+        era="DeepSpeed's environment report (ds_report, printed by Megatron-DeepSpeed at start-up), DeepSpeed engine",
+        example="torch version .................... 2.1.0a0+fe05266",
+        pattern=re.compile(
+            r"(?:^|[\s:\]])(torch version|deepspeed info|torch cuda version) \.{3,}\s*\[?'?([^\s,'\]]+)"
+            r"|DeepSpeed info: version=([^\s,]+)"
+        ),
+        yields="software['torch'], software['deepspeed'], software['cuda'] (the version strings as printed)",
+    ),
+    LineGrammar(
         name="jobid",
         era="SLURM environment dumps, scontrol show job",
         example="SLURM_JOB_ID=2796012",

@@ -41,7 +41,7 @@ from bufreuse.analysis.runs.grammars import (
     grammar,
     strip_ansi,
 )
-from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, parse_hostlist
+from bufreuse.analysis.runs.hostlist import HostSet, expand_hostlist, hosts_from_names, parse_hostlist
 from bufreuse.analysis.runs.itertable import IterationRecord, IterationTable
 from bufreuse.analysis.runs.textfile import LogLines
 from bufreuse.errors import LogFormatError
@@ -80,6 +80,14 @@ _SIZE_RE = re.compile(r"(data|tensor-model|pipeline-model|context|expert-model)-
 _NEMO_RE = grammar("nemo-iteration").pattern
 _BRIDGE_RE = grammar("bridge-step-time").pattern
 _CANCEL_RE = grammar("slurm-cancelled").pattern
+_WORKERS_RE = grammar("deepspeed-workers").pattern
+_WORLD_INFO_RE = grammar("deepspeed-world-info").pattern
+_WORLD_INFO_HOST_RE = re.compile(r"'([^']+)'\s*:")
+_PDSH_RE = grammar("pdsh-prefix").pattern
+_SOFTWARE_RE = grammar("software-version").pattern
+_SOFTWARE_KEYS = {"torch version": "torch", "deepspeed info": "deepspeed", "torch cuda version": "cuda"}
+_MAX_PDSH_HOSTS = 4096
+"""Hosts kept from pdsh line prefixes (a node set larger than this is left unknown, said so)."""
 _FILE_JOBID_RE = re.compile(r"(?:^slurm-(\d+)|[-_](\d+))\.(?:out|err)(?:\.gz)?$|^slurm-(\d+)")
 """``slurm-NNN[.out]`` (sbatch's default) or ``name-NNN.out`` / ``name_NNN.err`` (``--output=name-%j.out``)."""
 _MEM_LABEL_RE = re.compile(r"mem", re.IGNORECASE)
@@ -138,6 +146,11 @@ class MegatronLog:
     args: dict[str, str] = field(default_factory=dict)
     """Megatron's printed ``arguments`` block (and world-size line), raw strings."""
     nodes: HostSet | None = None
+    nodes_source: str | None = None
+    """Where ``nodes`` came from when not a SLURM line: the DeepSpeed launcher's workers line, its world info,
+    or pdsh line prefixes."""
+    software: dict[str, str] = field(default_factory=dict)
+    """Versions the log prints: ``torch``, ``deepspeed``, ``cuda`` (DeepSpeed's environment report, its engine)."""
     job_id: str | None = None
     partial_last_line: bool = False
     warnings: list[str] = field(default_factory=list)
@@ -524,6 +537,9 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
     state: dict[str, object] = {}
     shapes: list[_Shape] = []  # the line shapes last learned, newest first
     learned = 0
+    workers: list[str] = []  # the DeepSpeed launcher's "Running on the following workers" line
+    world_info: list[str] = []  # its launch.py "WORLD INFO DICT" keys
+    pdsh: dict[str, None] = {}  # hosts of pdsh "host: [timestamp]" line prefixes, in order seen
 
     def warn_once(kind: str, text: str) -> None:
         if kind in repeated:
@@ -553,6 +569,8 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
             continue
         if not len(table):
             unknown.add(line)
+        if ": [" in line[:260] and len(pdsh) < _MAX_PDSH_HOSTS and (pm := _PDSH_RE.match(line)):
+            pdsh[pm.group(1)] = None
         if "memory (MB)" in line:
             found = _memory(line, i)
             if not terminated:
@@ -591,6 +609,16 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
                 log.args[REGISTERED_ARG] = value
                 arg_chars += len(value)
             continue
+        if ("version" in line or "deepspeed info" in line) and (sm := _SOFTWARE_RE.search(line)):
+            key = _SOFTWARE_KEYS[sm.group(1)] if sm.group(1) else "deepspeed"
+            log.software.setdefault(key, (sm.group(2) or sm.group(3))[:100])
+            continue
+        if "Running on the following workers" in line and (wm := _WORKERS_RE.search(line)):
+            workers = workers or wm.group(1).split(",")
+            continue
+        if "WORLD INFO DICT" in line and (wi := _WORLD_INFO_RE.search(line)):
+            world_info = world_info or _WORLD_INFO_HOST_RE.findall(wi.group(1))
+            continue
         if " ..." in line and (am := _ARG_RE.search(line)):
             name, value = am.group(1), am.group(2)
             if name not in log.args:
@@ -614,6 +642,7 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
             log.job_id = jm.group(1)
     if not state["content"]:
         raise LogFormatError(f"{source}: empty log")
+    _launcher_nodes(log, workers, world_info, list(pdsh))
     log.partial_last_line = bool(state["partial"])
     for at, more in repeated.values():
         if more:
@@ -676,6 +705,21 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
             )  # fmt: skip
         raise LogFormatError(f"{source}: no Megatron iteration lines: {what}")
     return log
+
+
+def _launcher_nodes(log: MegatronLog, workers: list[str], world_info: list[str], pdsh: list[str]) -> None:
+    """The node set the DeepSpeed launcher names: its workers line (what ran, preferred over a SLURM allocation),
+    else its world info, else (no node set from any line) the hosts of pdsh line prefixes."""
+    if workers:
+        log.nodes, log.nodes_source = hosts_from_names(workers), "the DeepSpeed launcher's workers line"
+    elif world_info:
+        log.nodes, log.nodes_source = hosts_from_names(world_info), "the DeepSpeed launcher's WORLD INFO DICT"
+    elif pdsh and log.nodes is None:
+        log.nodes = hosts_from_names(pdsh)
+        log.nodes_source = f"pdsh line prefixes (the {len(pdsh)} host(s) that printed DeepSpeed log lines)"
+        if len(pdsh) >= _MAX_PDSH_HOSTS:
+            log.nodes, log.nodes_source = None, None
+            log.warnings.append(f"over {_MAX_PDSH_HOSTS:,} hosts in pdsh line prefixes: node set not read")
 
 
 def parse_log(path: str | os.PathLike[str], *, memory_only: bool = False) -> MegatronLog:

@@ -46,6 +46,10 @@ class RunRecord:
     step_ms: Sequence[float] = field(default_factory=list)
     step_windows: Sequence[int] = field(default_factory=list)
     """Iterations each ``step_ms`` value averages over (empty: one each)."""
+    step_iters: Sequence[int] = field(default_factory=list)
+    """A log's only: the iteration that ends each ``step_ms`` window (empty: not known, a sweep's steps)."""
+    tflops_iters: Sequence[int] = field(default_factory=list)
+    """A log's only: the iteration that ends each ``tflops`` window."""
     max_allocated_bytes: int | None = None
     max_reserved_bytes: int | None = None
     max_active_bytes: int | None = None
@@ -56,6 +60,10 @@ class RunRecord:
     ring_slot_bytes: dict[str, int] = field(default_factory=dict)
     slot_bytes_source: str | None = None
     nodes: HostSet | None = None
+    nodes_source: str | None = None
+    """Where ``nodes`` came from when not SLURM or ``job.json``: the DeepSpeed launcher's lines, pdsh prefixes."""
+    software: dict[str, str] = field(default_factory=dict)
+    """Versions the run's log prints (``torch``, ``deepspeed``, ``cuda``)."""
     config: dict[str, str] = field(default_factory=dict)
     """The run's parallel layout, batch, sequence, precision and recompute (:mod:`.comparability`)."""
     job_id: str | None = None

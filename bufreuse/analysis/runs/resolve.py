@@ -196,6 +196,8 @@ def _from_megatron_log(path: Path, warmup: int, *, label: str) -> RunRecord:
     same = timed is rated or (not isinstance(timed, slice) and not isinstance(rated, slice)
                               and np.array_equal(timed, rated))  # fmt: skip
     run.tflops_windows = run.step_windows if same else _column(log, rated, "window")
+    run.step_iters = _iterations(log, timed)
+    run.tflops_iters = run.step_iters if same else _iterations(log, rated)
     del timed, rated
     run.config = run_config(log.args)
     _log_common(path, log, run)
@@ -212,7 +214,8 @@ def _log_common(path: Path, log: MegatronLog, run: RunRecord) -> None:
         peak = log.peak(attr)
         if peak is not None:
             setattr(run, target, round(peak * MIB))
-    run.nodes, run.job_id = log.nodes, log.job_id
+    run.nodes, run.nodes_source, run.job_id = log.nodes, log.nodes_source, log.job_id
+    run.software = dict(log.software)
     if run.nodes is None:
         run.nodes = _job_nodes(path.parent / "job.json", run)
     _rings_from_args(log.args, run)
@@ -255,6 +258,18 @@ def _present(table: IterationTable, rows: np.ndarray | slice, name: str) -> np.n
     return (np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)[shown]
 
 
+def _iterations(log: MegatronLog, rows: np.ndarray | slice) -> Sequence[int]:
+    """The iteration ending each window at ``rows``: a ``range`` when they step evenly (a log's usual case: no
+    8 bytes a window kept for the span check), else the column."""
+    ends = _column(log, rows, "iteration")
+    if len(ends) >= 2:
+        a = np.asarray(ends, dtype=np.int64)
+        step = int(a[1] - a[0])
+        if step > 0 and bool(np.all(np.diff(a) == step)):
+            return range(int(a[0]), int(a[-1]) + 1, step)
+    return ends
+
+
 def _column(log: MegatronLog, rows: np.ndarray | slice, name: str) -> Sequence[Any]:
     """Column ``name`` of ``log.iterations`` at ``rows``: a read-only view for a slice (it keeps that column
     alone alive once the log goes; a window column of one value keeps nothing, and windows of 1 are left
@@ -266,9 +281,9 @@ def _column(log: MegatronLog, rows: np.ndarray | slice, name: str) -> Sequence[A
             one = int(view[0]) if view.size else 1
             return [] if one == 1 else np.broadcast_to(np.int64(one), view.shape)
         return view
-    if name == "window":
+    if name in ("window", "iteration"):
         out: array[Any] = array("q", [0]) * rows.size
-        np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.int64))
+        np.take(table.column(name).astype(np.int64, copy=False), rows, out=np.frombuffer(out, dtype=np.int64))
     else:
         out = array("d", [0.0]) * rows.size
         np.take(table.column(name), rows, out=np.frombuffer(out, dtype=np.float64))

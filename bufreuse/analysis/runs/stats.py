@@ -300,6 +300,8 @@ def run_stats(run: RunRecord) -> dict[str, Any]:
         "ring_mib": _mib(run.ring_bytes),
         "nodes": run.nodes.count if run.nodes is not None else None,
         "node_set": run.nodes.describe() if run.nodes is not None else None,
+        "node_source": run.nodes_source,
+        "software": dict(run.software),
         "config": dict(run.config),
         "job_id": run.job_id,
         "dropped": dict(run.dropped),

@@ -96,8 +96,9 @@ class MetricDelta:
         return self.verdict == "regression" and self.explained_by is None
 
 
-def judge(m: MetricDelta, bands: Bands, *, differ: bool) -> None:
-    """Set ``m``'s delta, band and verdict; ``differ``: the runs used different node sets.
+def judge(m: MetricDelta, bands: Bands, *, differ: bool, unlike: str = "different node sets") -> None:
+    """Set ``m``'s delta, band and verdict; ``differ``: the runs differ in what a speedup must not come from
+    (``unlike`` names it: different node sets, different software), so a throughput improvement is not claimed.
 
     ``m.n_baseline`` / ``m.n_value`` (set) mark a sampled metric, judged by ``m.ci_low`` /
     ``m.ci_high``; otherwise the delta itself is the exact difference.
@@ -132,7 +133,7 @@ def judge(m: MetricDelta, bands: Bands, *, differ: bool) -> None:
         m.verdict = "improvement"
         if differ and m.metric in THROUGHPUT_METRICS:
             m.verdict = "inconclusive"
-            m.note = join_notes(m.note, "not claimed as a speedup: the runs used different node sets")
+            m.note = join_notes(m.note, f"not claimed as a speedup: the runs used {unlike}")
     elif gain_high < -m.band:
         m.verdict = "regression"
     else:
