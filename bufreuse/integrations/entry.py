@@ -21,6 +21,8 @@ Either way the model is validated (:func:`bufreuse.integrations.requirements.val
 seq length and micro-batch size from the args) and hooked (:func:`bufreuse.integrations.megatron.install`,
 one shared :class:`BufferPool`); everything is restored when the script returns. A config that cannot
 be enabled stops the run before training with one error listing every unmet requirement (exit 2).
+HybridEP set-ups that would crash in DeepEP stop earlier, with one line (:mod:`bufreuse.integrations.preflight`);
+under ``--distributed-backend gloo`` the DDP grad sync goes through :mod:`bufreuse.integrations.gloo_grad_sync`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 from bufreuse.config import BufReuseConfig, add_arguments, tokens_per_microbatch
 from bufreuse.errors import BufreuseError, ConfigError, InputError, exit_code_for
+from bufreuse.integrations.preflight import flag_value, hybridep_preflight
 from bufreuse.integrations.requirements import validate
 
 __all__ = ["Session", "locate_script", "main"]
@@ -237,6 +240,22 @@ def _prebuilt_helpers_patch() -> list[Any]:
     return [lambda: setattr(du, "compile_helpers", orig)]
 
 
+def _gloo_grad_sync_patch(argv: list[str]) -> list[Any]:
+    """Under ``--distributed-backend gloo``: megatron's DDP bucket collectives one by one (docs/megatron.md)."""
+    if flag_value(argv, "--distributed-backend") != "gloo":
+        return []
+    from bufreuse.integrations.gloo_grad_sync import patch_megatron_grad_sync
+
+    undo = patch_megatron_grad_sync()
+    print(
+        "bufreuse-megatron: --distributed-backend gloo: megatron's DDP grad sync issues each bucket's collective on "
+        "its own (gloo has no allreduce_coalesced for CUDA tensors); gloo stages through the host, so step times "
+        "are not NCCL's",
+        flush=True,
+    )
+    return [undo]
+
+
 def _split_own(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     own: dict[str, str] = {}
     rest: list[str] = []
@@ -256,6 +275,8 @@ def _split_own(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 def run(argv: list[str]) -> None:
     """Run the Megatron-LM pretraining script with the hooks (raises :class:`BufreuseError` on bad input)."""
     own, rest = _split_own(argv)
+    for note in hybridep_preflight(rest, os.environ):  # may set USE_MNNVL=0 before DeepEP reads it
+        print(f"bufreuse-megatron: {note}", flush=True)
     script = locate_script(own.get("--megatron-lm"), own.get("--pretrain-script", "pretrain_gpt.py"))
     sys.path.insert(0, str(script.parent))
     import megatron.training as mt
@@ -270,6 +291,7 @@ def run(argv: list[str]) -> None:
     else:
         undo += _patch_container_contract(session)
     undo += _prebuilt_helpers_patch()
+    undo += _gloo_grad_sync_patch(rest)
     old_argv = sys.argv
     sys.argv = [str(script), *rest]
     try:

@@ -37,12 +37,15 @@ def pretrain(
     parser.add_argument("--num-experts", type=int, default=4)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--distributed-backend", default="nccl")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     _ARGS = parser.parse_args()
     _ARGS.data_parallel_size = 1  # upstream's validate_args derives it from the world size
     vpp = _ARGS.virtual_pipeline_model_parallel_size
     chunks = [model_provider(vp_stage=i) for i in range(vpp)] if vpp else [model_provider()]
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
     moes = [m for chunk in chunks for m in chunk.modules() if hasattr(m, "token_dispatcher")]
     print(
         "FAKE-PRETRAIN "
@@ -53,6 +56,7 @@ def pretrain(
                 "hooked_layers": sum("_bufreuse_hooked" in vars(m) for m in moes),
                 "chunks": len(chunks),
                 "script_arg": getattr(_ARGS, "script_flag", None),
+                "gloo_grad_sync": getattr(pgb._coalescing_manager, "_bufreuse_per_op", False),
             }
         )
     )
