@@ -242,10 +242,12 @@ def test_plan_marks_the_ep1_dispatch_ring_unused_as_install_does():
         "moe_hybridep_num_expert_output_buffers": 2,
     }  # fmt: skip
     dispatch = next(b for b in plan_config(fields).buffers if b.buffer == "dispatch")
-    # install()'s own bound registers 0 dispatch slots at EP = 1: the plan says the same, with no memory on either side
+    # install()'s own bound registers 0 dispatch slots at EP = 1: the plan says the same, with no ring memory; the
+    # control's queue stays the model's figure, with the rule's verdict beside it (issue 45: not zeroed by the rule)
     bounds = static_bounds(fields, BufReuseConfig.from_mapping(fields), path="alltoall", tokens=128)
     assert bounds["dispatch"].slots == 0
-    assert dispatch.unused and dispatch.persistent_bytes == 0 and dispatch.pending_bytes == 0
+    assert dispatch.unused and dispatch.persistent_bytes == 0 and dispatch.verdict == f"stands down: {dispatch.unused}"
+    assert dispatch.pending_bytes == dispatch.pending_count * dispatch.slot_bytes > 0
     # Positive controls: at EP = 2 under EP overlap the ring exists (the dispatch output crosses streams), and
     # the validation knobs ask for it at EP = 1 and at EP = 2 without overlap (nothing pending-free there).
     for extra in ({"expert_model_parallel_size": 2, "overlap_moe_expert_parallel_comm": True},

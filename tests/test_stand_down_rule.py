@@ -189,3 +189,63 @@ def test_an_enabled_ring_that_stands_down_warns_once_with_its_reason(parallel, m
         warnings.simplefilter("always")
         megatron.install(cpu_moe_layer(8, "alltoall", 32), BufferPool("cpu"), BufReuseConfig(), tokens=16).uninstall()
     assert not [w for w in off if issubclass(w.category, megatron.RingStandDownWarning)]
+
+
+# -- plan and check-config show the verdict ------------------------------------------------------------------
+
+# EP 2 all-to-all (4 local experts: the sort copies both buffers), 1F1B over 4 microbatches, 2 MoE layers; torch >= 2.8
+# NCCL: both rings stand down. The keep knob is the twin where both are used.
+PLAN_FIELDS = {
+    "moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2, "expert_model_parallel_size": 2,
+    "num_layers": 2, "hidden_size": 64, "seq_length": 16, "micro_batch_size": 1, "num_microbatches": 4, "bf16": True,
+    "moe_hybridep_reuse_dispatch_output_buffers": True, "moe_hybridep_num_dispatch_output_buffers": 4,
+    "moe_hybridep_num_expert_output_buffers": 4,
+}  # fmt: skip
+
+
+def _no_records(monkeypatch) -> None:
+    monkeypatch.setattr(config, "nccl_records_streams", lambda *args, **kwargs: False)
+
+
+def test_plan_keeps_the_modelled_control_queue_of_a_ring_that_stands_down(monkeypatch) -> None:
+    """The model's pending-free count (every buffer record_stream'ed) is the same whether the rule keeps the ring or
+    not: it is the model's, not the rule's. A stood-down ring shows it with the verdict beside it."""
+    from bufreuse.plan import plan_config
+
+    _no_records(monkeypatch)
+    down = {b.buffer: b for b in plan_config(PLAN_FIELDS).buffers}
+    kept = {b.buffer: b for b in plan_config({**PLAN_FIELDS, "moe_bufreuse_keep_unused_rings": True}).buffers}
+    for buf in ("dispatch", "expert"):
+        assert down[buf].unused and not kept[buf].unused
+        assert down[buf].pending_count == kept[buf].pending_count > 0  # the model's figure, not zeroed by the rule
+        assert down[buf].to_dict()["verdict"].startswith("stands down: ") and kept[buf].to_dict()["verdict"] == "used"
+        assert down[buf].persistent_bytes == 0 < kept[buf].persistent_bytes
+
+
+def _args_file(tmp_path, fields: dict) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in fields.items()))
+    return str(path)
+
+
+def test_plan_and_check_config_say_every_ring_stands_down(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from bufreuse.cli.app import app
+
+    _no_records(monkeypatch)
+    runner = CliRunner()
+    cfg = _args_file(tmp_path, PLAN_FIELDS)
+    out = " ".join(runner.invoke(app, ["plan", cfg]).output.split())
+    assert out.count("modelled; rule: none waits (stands down)") == 2, out
+    assert "dispatch_output: release after" in out and "stands down (install() hooks nothing):" in out
+    res = runner.invoke(app, ["check-config", cfg])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and "enabled, but every ring stands down: dispatch: " in text, text
+    assert "can be enabled" not in text
+    data = __import__("json").loads(runner.invoke(app, ["check-config", cfg, "--json"]).output)
+    assert data["all_stand_down"] and set(data["stood_down"]) == {"dispatch", "expert"}
+    # positive control: with the keep knob nothing stands down, and check-config says it can be enabled
+    kept = _args_file(tmp_path, {**PLAN_FIELDS, "moe_bufreuse_keep_unused_rings": True})
+    text = " ".join(runner.invoke(app, ["check-config", kept]).output.split())
+    assert "can be enabled" in text and "stands down" not in text, text

@@ -93,11 +93,13 @@ def _render(file: Path, data: dict) -> None:
             f"[bold]{_mib(ring['persistent_bytes'])}[/] persistent ({_mib(ring['slot_bytes'])} per slot; "
             f"bound: {e(str(ring['bound_source']))})"
         )
-    verdict = (
-        "[green]can be enabled[/]"
-        if data["ok"]
-        else f"[red]cannot be enabled[/] ({sum(not r['ok'] for r in data['requirements'])} unmet)"
-    )
+    stood = "; ".join(f"{b}: {why}" for b, why in data.get("stood_down", {}).items())
+    if not data["ok"]:
+        verdict = f"[red]cannot be enabled[/] ({sum(not r['ok'] for r in data['requirements'])} unmet)"
+    elif data.get("all_stand_down"):
+        verdict = f"[yellow]enabled, but every ring stands down[/]: {e(stood)}"
+    else:
+        verdict = "[green]can be enabled[/]" + (f"; [yellow]stands down[/]: {e(stood)}" if stood else "")
     console.print(f"total persistent ring memory {_mib(data['persistent_bytes_total'])}; {verdict}")
 
 

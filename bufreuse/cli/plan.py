@@ -99,6 +99,7 @@ def plan(
     data = report.to_dict()
     if json_out:
         from bufreuse.analysis.render.export import json_text
+
         typer.echo(json_text(data))
     else:
         _render(file, data)
@@ -131,6 +132,10 @@ def _render(file: Path, data: dict) -> None:
             continue
         per_chunk = f" (chunks {', '.join(map(str, b['per_chunk'].values()))})" if len(b["per_chunk"]) > 1 else ""
         sized = bool(b["slot_bytes"])
+        pending = f"{b['control_pending_count']} = {_mib(b['control_pending_bytes'])}" if sized else ""
+        pending = pending or str(b["control_pending_count"])
+        if b.get("unused"):  # the model's queue (every buffer record_stream'ed) beside the rule's verdict
+            pending += " modelled; rule: none waits (stands down)"
         table.add_row(
             b["ring"],
             b["release"]["point"],
@@ -138,16 +143,14 @@ def _render(file: Path, data: dict) -> None:
             f"{b['minimum']}{per_chunk}",
             "constant" if b["constant"] else (b["formula"] or "simulated"),
             "not used" if b.get("unused") else (_mib(b["persistent_bytes"]) if sized else "?"),
-            f"{b['control_pending_count']} = {_mib(b['control_pending_bytes'])}"
-            if sized
-            else str(b["control_pending_count"]),
+            pending,
             "[green]✓[/]" if b["ok"] else "[red]✗[/]",
         )
     console.print(table)
     for b in data["buffers"]:
         console.print(f"[bold]{b['ring']}[/]: release after {b['release']['point']}: {b['release']['reason']}")
         if b.get("unused"):
-            console.print(f"  [dim]not used: {b['unused']}[/]")
+            console.print(f"  [yellow]stands down[/] (install() hooks nothing): {escape(b['unused'])}")
         if b["cycle"] is not None:
             console.print(f"  [red]stuck at {b['configured']} slot(s):[/] {b['cycle']['text']}")
         elif not b["ok"] and b["minimum"] is not None:

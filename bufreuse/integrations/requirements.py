@@ -122,10 +122,18 @@ class CheckReport:
     items: list[CheckItem] = field(default_factory=list)
     bounds: dict[str, BufferBound] = field(default_factory=dict)
     features: Features | None = None
+    unused: dict[str, str] = field(default_factory=dict)
+    """Enabled buffer -> why its ring stands down (``install()`` hooks nothing for it; ``config.unused_rings``)."""
 
     @property
     def ok(self) -> bool:
         return all(i.ok for i in self.items)
+
+    @property
+    def all_stand_down(self) -> bool:
+        """Whether buffers are enabled and every one of them stands down (``install()`` would hook nothing)."""
+        enabled = self.knobs.enabled()
+        return bool(enabled) and set(enabled) <= set(self.unused)
 
     @property
     def unmet(self) -> list[CheckItem]:
@@ -154,6 +162,8 @@ class CheckReport:
                 for b in self.bounds.values()
             },
             "persistent_bytes_total": sum(b.persistent_bytes for b in self.bounds.values()),
+            "stood_down": dict(self.unused),
+            "all_stand_down": self.all_stand_down,
             "features": None if self.features is None else self.features.to_dict(),
         }
 
@@ -183,6 +193,7 @@ def check(
     ctx = CheckContext(cfg=cfg, knobs=knobs, path=path, tokens=tokens, features=feats)
     report = CheckReport(path=path, knobs=knobs, features=feats)
     unused = unused_rings(cfg, knobs, path, torch_version=torch_version)  # install() hooks none: nothing to require
+    report.unused = dict(unused)
     for buffer, policy in knobs.enabled().items():
         for req in REQUIREMENTS:
             if buffer not in req.buffers or policy not in req.policies:

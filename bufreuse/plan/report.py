@@ -74,7 +74,9 @@ class BufferPlan:
     rings: int = 1
     """Rings of this buffer on the rank: one, shared by every model chunk."""
     pending_count: int = 0
-    """Bound-sized buffers the control keeps pending-free at the max-active point (model: ASSUMPTIONS)."""
+    """Bound-sized buffers the control keeps pending-free at the max-active point (model: ASSUMPTIONS). For an
+    unused ring it is still the model's figure (every buffer record_stream'ed), which the rule's verdict
+    (:attr:`verdict`) contradicts: nothing of it waits there."""
     pending_step: int = 0
     """Schedule step of that max-active point."""
     cycle: Cycle | None = None
@@ -105,6 +107,11 @@ class BufferPlan:
     def pending_bytes(self) -> int:
         return self.pending_count * self.slot_bytes
 
+    @property
+    def verdict(self) -> str:
+        """The stream rule's word on this ring: ``used``, or ``stands down: <why>`` (install() hooks nothing)."""
+        return f"stands down: {self.unused}" if self.unused else "used"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "buffer": self.buffer,
@@ -124,6 +131,7 @@ class BufferPlan:
             "control_pending_step": self.pending_step,
             "cycle": None if self.cycle is None else self.cycle.to_dict(),
             "unused": self.unused,
+            "verdict": self.verdict,
         }
 
 
@@ -391,8 +399,8 @@ def plan_config(
     rules = release_rules(fields, path=path)
     # The same rule as install(): a ring that replaces nothing is not registered, so the used rings are
     # planned (and their cycles found) without it, as install() checks them; the unused one is planned
-    # alone for the record, with no memory, no pending-free (the control allocates nothing there that waits
-    # for a free either) and no cycle.
+    # alone for the record, with no memory and no cycle. Its control pending-free stays the model's figure
+    # (which assumes every buffer is record_stream'ed), shown beside the rule's verdict that nothing of it waits.
     unused = unused_rings(fields, knobs, path or "alltoall", torch_version=torch_version)
     by_buffer: dict[str, BufferPlan] = {}
     slot_bytes = {b: bd.slot_bytes for b, bd in bounds.items()}
@@ -407,7 +415,6 @@ def plan_config(
     for plan in plans:
         if plan.buffer in unused:
             plan.unused = unused[plan.buffer]
-            plan.pending_count = 0
             plan.cycle = None
     return PlanReport(
         spec=spec,
