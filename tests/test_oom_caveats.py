@@ -29,6 +29,7 @@ runner = CliRunner()
 DATA = Path(__file__).resolve().parent / "data" / "snapshots"
 RECORD_STREAM = DATA / "record_stream.pickle.gz"
 NO_TRACE = DATA / "no_history.pickle"
+LOGS = Path(__file__).resolve().parent / "data" / "logs"
 BAND = 64.0  # MiB: the default memory band (max(64 MiB, 0.1%) with baselines far below 64 GiB)
 
 
@@ -148,3 +149,26 @@ def test_advise_without_a_trace_cannot_tell() -> None:
     assert not data["recording"]
     assert data["verdict"].startswith("cannot tell: the snapshot has no trace"), data["verdict"]
     assert "nothing waits" not in data["verdict"] and not data["gain"] and not data["flags"]
+
+
+# --- a log that says a rank ran out of memory --------------------------------------------------------------
+
+
+def test_log_with_cuda_oom_lines_is_a_dead_run_too(tmp_path: Path) -> None:
+    """The seed's feature log with two ranks' OOM lines appended: peak reserved +6 MiB (parity) no longer stands,
+    the +2156 MiB allocated regression does (only the compared run died: its true growth is at least that)."""
+    control, feature = LOGS / "slurm-2796012.out", LOGS / "slurm-2796654.out"
+    dead = tmp_path / "slurm-2796654.out"
+    dead.write_text(feature.read_text() + "".join(
+        f"{r}: [rank{r}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU {r} has a "
+        "total capacity of 139.81 GiB of which 1.02 GiB is free.\n" for r in (3, 7)))  # fmt: skip
+    before = json.loads(_cli(["compare", str(control), str(feature), "--json"])[1])["comparisons"][0]
+    after = json.loads(_cli(["compare", str(control), str(dead), "--json"])[1])
+    comp = after["comparisons"][0]
+    verdict = {m["metric"]: m["verdict"] for m in comp["metrics"]}
+    was = {m["metric"]: m["verdict"] for m in before["metrics"]}
+    assert was["max_reserved_mib"] == "parity" and verdict["max_reserved_mib"] == "inconclusive"
+    assert was["max_allocated_mib"] == verdict["max_allocated_mib"] == "regression"
+    assert verdict["tflops_mean"] == was["tflops_mean"]  # the windows it logged still count
+    assert after["runs"]["slurm-2796654"]["oom_events"] == 2
+    assert any("2 out-of-memory events" in c for c in comp["caveats"])

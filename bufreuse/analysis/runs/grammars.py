@@ -195,6 +195,13 @@ GRAMMARS: tuple[LineGrammar, ...] = (
         yields="software['torch'], software['deepspeed'], software['cuda'] (the version strings as printed)",
     ),
     LineGrammar(
+        name="cuda-oom",
+        era="torch (RuntimeError before 1.13, torch.cuda.OutOfMemoryError / torch.OutOfMemoryError since), ROCm's HIP",
+        example="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.05 GiB. GPU 0 has a total capacity",
+        pattern=re.compile(r"(?:CUDA|HIP) out of memory|OutOfMemoryError"),
+        yields="an out-of-memory event: the run died short of its true peak, so its memory peaks are lower bounds",
+    ),
+    LineGrammar(
         name="jobid",
         era="SLURM environment dumps, scontrol show job",
         example="SLURM_JOB_ID=2796012",

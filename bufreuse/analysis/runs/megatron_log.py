@@ -85,6 +85,7 @@ _WORLD_INFO_RE = grammar("deepspeed-world-info").pattern
 _WORLD_INFO_HOST_RE = re.compile(r"'([^']+)'\s*:")
 _PDSH_RE = grammar("pdsh-prefix").pattern
 _SOFTWARE_RE = grammar("software-version").pattern
+_OOM_RE = grammar("cuda-oom").pattern
 _SOFTWARE_KEYS = {"torch version": "torch", "deepspeed info": "deepspeed", "torch cuda version": "cuda"}
 _MAX_PDSH_HOSTS = 4096
 """Hosts kept from pdsh line prefixes (a node set larger than this is left unknown, said so)."""
@@ -151,6 +152,8 @@ class MegatronLog:
     or pdsh line prefixes."""
     software: dict[str, str] = field(default_factory=dict)
     """Versions the log prints: ``torch``, ``deepspeed``, ``cuda`` (DeepSpeed's environment report, its engine)."""
+    oom_events: int = 0
+    """Lines saying a rank ran out of GPU memory (``CUDA out of memory``): the peaks are then lower bounds."""
     job_id: str | None = None
     partial_last_line: bool = False
     warnings: list[str] = field(default_factory=list)
@@ -571,6 +574,11 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
             unknown.add(line)
         if ": [" in line[:260] and len(pdsh) < _MAX_PDSH_HOSTS and (pm := _PDSH_RE.match(line)):
             pdsh[pm.group(1)] = None
+        if ("of memory" in line or "OutOfMemory" in line) and _OOM_RE.search(line):
+            if not log.oom_events:
+                log.warnings.append(f"line {i}: a rank ran out of GPU memory ({line.strip()[:120]})")
+            log.oom_events += 1
+            continue
         if "memory (MB)" in line:
             found = _memory(line, i)
             if not terminated:

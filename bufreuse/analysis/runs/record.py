@@ -72,7 +72,8 @@ class RunRecord:
     memory_only: bool = False
     """A log of memory reports with no iteration line: compared on memory alone."""
     oom_events: int = 0
-    """Out-of-memory events the run recorded (a snapshot's trace): its memory peaks are then lower bounds."""
+    """Out-of-memory events the run recorded (a snapshot's trace, a log's ``CUDA out of memory`` lines): its
+    memory peaks are then lower bounds."""
     named: bool = True
     """The user named this run itself (a file, a configuration folder, a label such as ``slots4``); False for a
     run that came with a group (a whole sweep folder, ``feature``). A named run that yields no comparison is an

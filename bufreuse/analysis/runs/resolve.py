@@ -216,6 +216,7 @@ def _log_common(path: Path, log: MegatronLog, run: RunRecord) -> None:
             setattr(run, target, round(peak * MIB))
     run.nodes, run.nodes_source, run.job_id = log.nodes, log.nodes_source, log.job_id
     run.software = dict(log.software)
+    run.oom_events = log.oom_events
     if run.nodes is None:
         run.nodes = _job_nodes(path.parent / "job.json", run)
     _rings_from_args(log.args, run)
