@@ -572,7 +572,7 @@ def _parse(raw: Iterable[str], *, source: str, memory_only: bool = False) -> Meg
             continue
         if not len(table):
             unknown.add(line)
-        if ": [" in line[:260] and len(pdsh) < _MAX_PDSH_HOSTS and (pm := _PDSH_RE.match(line)):
+        if line.find(": [", 0, 260) >= 0 and len(pdsh) < _MAX_PDSH_HOSTS and (pm := _PDSH_RE.match(line)):
             pdsh[pm.group(1)] = None
         if ("of memory" in line or "OutOfMemory" in line) and _OOM_RE.search(line):
             if not log.oom_events:
