@@ -7,7 +7,8 @@ matrix, ``check``/``validate``), ``_compat_megatron`` (every megatron-core priva
 ``features`` (DeepEP/TE detection), ``check_file`` (``bufreuse check-config``), ``graphs``
 (full-iteration CUDA graphs), ``alltoall``/``hybridep``/``te`` (one folder per dispatch path: ``hooks`` is
 the adapter, beside the helpers it owns), ``entry``
-(``bufreuse-megatron``).
+(``bufreuse-megatron``), ``preflight`` (its one-line refusals of HybridEP set-ups), ``gloo_grad_sync`` (megatron's
+DDP grad sync over gloo).
 """
 
 __all__: list[str] = []
