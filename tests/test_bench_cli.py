@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from bufreuse.cli import app
 
 runner = CliRunner()
-TINY = ["--tokens", "8", "--hidden", "8", "--iters", "20", "--repeats", "1"]
+TINY = ["--rows", "8", "--hidden", "8", "--iters", "20", "--repeats", "1"]
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,8 @@ from bufreuse.errors import InputError
 
 runner = CliRunner()
 MB, STEPS, ROUNDS, WARMUP = 4, 1, 2, 1
-FAST = ["--preset", "tiny", "--device", "cpu", "--microbatches", str(MB), "--steps", str(STEPS),
-        "--rounds", str(ROUNDS), "--warmup", str(WARMUP)]  # fmt: skip
+FAST = ["--preset", "tiny", "--device", "cpu", "--num-microbatches", str(MB), "--steps", str(STEPS),
+        "--rounds", str(ROUNDS), "--warmup-rounds", str(WARMUP)]  # fmt: skip
 
 
 def test_schedules_are_the_named_orders() -> None:
@@ -172,7 +172,7 @@ def test_table_names_arms_ratios_drift_and_the_missing_gpu_figure() -> None:
         (["--rounds", "3"], "--rounds must be even"),
         (["--policies", "ring,bogus"], "--policies"),
         (["--experts", "4", "--topk", "5"], "--topk 5 is more than --experts 4"),
-        (["--slots", "1"], "--slots 1 is fewer than the 2 microbatches"),
+        (["--ring-slots", "1"], "--ring-slots 1 is fewer than the 2 microbatches"),
         (["--preset", "huge"], "--preset must be one of"),
         (["--tokens", "0"], "--tokens must be >= 1"),
         (["--steps", "0"], "--steps must be >= 1"),

@@ -33,7 +33,7 @@ CASES = [
 @pytest.mark.parametrize(("spec", "precision"), CASES)
 def test_bench_layer_runs_every_policy_on_the_gpu(spec: str, precision: str) -> None:
     args = ["bench", "layer", "--device", "cuda", *SHAPE, "--spec", spec, "--precision", precision,
-            "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", str(ROUNDS), "--warmup", "1",
+            "--num-microbatches", str(MB), "--steps", str(STEPS), "--rounds", str(ROUNDS), "--warmup-rounds", "1",
             "--policies", "ring,stream-ordered,record-stream", "--json"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -72,7 +72,7 @@ def test_te_fc2_writes_into_the_ring_once_per_layer_call_and_fc1_never(monkeypat
 
     monkeypatch.setattr(te.GroupedLinear, "forward", counting)
     args = ["bench", "layer", "--device", "cuda", *SHAPE, "--spec", "te", "--precision", precision, "--pad",
-            "--microbatches", str(MB), "--steps", str(STEPS), "--rounds", "2", "--warmup", "0",
+            "--num-microbatches", str(MB), "--steps", str(STEPS), "--rounds", "2", "--warmup-rounds", "0",
             "--policies", "ring", "--json"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

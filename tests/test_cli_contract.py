@@ -86,14 +86,14 @@ CASES = [
     Case("sweep-slots-huge", _sweep("--slots", "0,99999999999"), shows=lambda w: "max_ring_slots"),
     Case("sweep-slots-not-numbers", _sweep("--slots", "a,b")),
     Case("sweep-status-not-a-sweep", _w("sweep", "--status", "{w}")),
-    Case("bench-pool-huge-shape", _w("bench", "pool", "--tokens", "99999999999", "--hidden", "99999999999")),
-    Case("bench-pool-cpu-100000-slots", _w("bench", "pool", "--device", "cpu", "--slots", "100000"),
+    Case("bench-pool-huge-shape", _w("bench", "pool", "--rows", "99999999999", "--hidden", "99999999999")),
+    Case("bench-pool-cpu-100000-slots", _w("bench", "pool", "--device", "cpu", "--ring-slots", "100000"),
          subprocess=True, budget_s=60),
     Case("bench-pool-output-wrong-extension", _w("bench", "pool", "--device", "cpu", "--output", "{w}/r.txt")),
     # usage errors: one line, not Click's boxed panel
     Case("usage-unknown-option", _w("sweep", "--bogus")),
-    Case("usage-bad-integer", _w("bench", "pool", "--slots", "x")),
-    Case("usage-below-minimum", _w("bench", "pool", "--slots", "0")),
+    Case("usage-bad-integer", _w("bench", "pool", "--ring-slots", "x")),
+    Case("usage-below-minimum", _w("bench", "pool", "--ring-slots", "0")),
     Case("usage-missing-argument", _w("snapshot-report")),
     Case("usage-unknown-command", _w("snapshot-reprot", "x")),
     # budgets

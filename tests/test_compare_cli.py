@@ -21,7 +21,8 @@ def test_cli_compare_sweep_labels_prints_table(tmp_path: Path) -> None:
     make_sweep(tmp_path)
     result = runner.invoke(app, ["compare", "control", "feature", "--root", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    for text in ("slots0", "slots4", "stream-ordered", "peak reserved (whole process) (MiB)", "improvement", "ring storage"):
+    for text in ("slots0", "slots4", "stream-ordered", "peak reserved (whole process) (MiB)", "improvement",
+                 "ring storage"):  # fmt: skip
         assert text in result.output
 
 

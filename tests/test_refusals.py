@@ -117,7 +117,7 @@ def test_what_if_control_with_a_measured_count_that_was_asked_for(work: Path) ->
         (["--root", "a/b/c"], "folder a/b does not exist; create it or pass --mkdir"),
         (["--workload", "proxy", "--tokens", "100", "--world-size", "1"], "--tokens 100 must be a multiple of"),
         (["--workload", "proxy", "--cuda-graph", "--warmup-steps", "0", "--world-size", "1"], "--cuda-graph needs"),
-        (["--slots", "0,plan", "--microbatches", "10000000"], "max_schedule_steps budget of 65,536"),
+        (["--slots", "0,plan", "--num-microbatches", "10000000"], "max_schedule_steps budget of 65,536"),
     ],
 )
 def test_sweep_refusals_before_any_folder_or_process(work: Path, args: list[str], match: str) -> None:

@@ -58,6 +58,9 @@ __all__ = [
     "schedule_steps",
 ]
 
+_FLAG = {"microbatches": "--num-microbatches", "slots": "--ring-slots", "warmup": "--warmup-rounds"}
+"""The ``bench layer`` option of a config field, where the two names differ (the messages name the option)."""
+
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 32, "ffn": 64, "experts": 8, "topk": 2, "tokens": 64},
     "host-bound": {"hidden": 1024, "ffn": 1024, "experts": 8, "topk": 2, "tokens": 2048},
@@ -196,11 +199,11 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
         raise InputError(f"--policies: a comma list of distinct {', '.join(ARMS)}, got {','.join(cfg.policies)!r}")
     for name in ("hidden", "ffn", "experts", "topk", "tokens", "microbatches", "steps", "slots"):
         if getattr(cfg, name) < 1:
-            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+            raise InputError(f"{_FLAG.get(name, '--' + name)} must be >= 1, got {getattr(cfg, name)}")
     if cfg.rounds < 2 or cfg.rounds % 2:
         raise InputError(f"--rounds must be even and >= 2 (A B B A cycles), got {cfg.rounds}")
     if cfg.warmup < 0:
-        raise InputError(f"--warmup must be >= 0, got {cfg.warmup}")
+        raise InputError(f"--warmup-rounds must be >= 0, got {cfg.warmup}")
     if cfg.topk > cfg.experts:
         raise InputError(f"--topk {cfg.topk} is more than --experts {cfg.experts}")
     if not (math.isfinite(cfg.band_pct) and cfg.band_pct >= 0):
@@ -208,7 +211,8 @@ def check_config(cfg: LayerBenchConfig) -> torch.device:
     depth = in_flight(schedule_steps(cfg.schedule, cfg.microbatches))
     if "ring" in cfg.policies and cfg.slots < depth:
         raise InputError(
-            f"--slots {cfg.slots} is fewer than the {depth} microbatches the {cfg.schedule} schedule keeps in flight"
+            f"--ring-slots {cfg.slots} is fewer than the {depth} microbatches the {cfg.schedule} schedule keeps in "
+            "flight"
         )
     device = _device(cfg.device)
     if device.type == "cpu" and cfg.spec == "te":

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
 __all__ = [
+    "DEPRECATED_OPTIONS",
     "OFF_TTY_WIDTH",
     "BoundaryGroup",
     "CliState",
@@ -42,6 +43,7 @@ __all__ = [
     "json_option",
     "print_error",
     "progress_bar",
+    "renew_options",
     "report_exception",
     "return_freed_memory",
     "root_option",
@@ -168,8 +170,62 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _no_placeholder_for_flags(command: Any) -> None:
+    """Show a pure flag (``--json``, ``--help``) without a value placeholder in help (Typer prints ``<bool>``).
+
+    An empty metavar is what the help table prints for the type; parsing never reads it. Walks sub-groups too.
+    """
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    helper = command.get_help_option(command.context_class(command))
+    if helper is not None:
+        helper.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _no_placeholder_for_flags(sub)
+
+
+DEPRECATED_OPTIONS: dict[tuple[str, ...], dict[str, str]] = {
+    ("sweep",): {"--microbatches": "--num-microbatches"},
+    ("bench", "layer"): {
+        "--microbatches": "--num-microbatches", "--warmup": "--warmup-rounds", "--slots": "--ring-slots",
+    },
+    ("bench", "pool"): {"--slots": "--ring-slots", "--tokens": "--rows"},
+}
+"""Old option spellings still accepted, by command path: one name means one thing in every command (``--slots``
+a list of slot counts, ``--warmup`` log iterations, ``--num-microbatches``), so these were renamed."""
+
+_ROOT_VALUE_OPTIONS = frozenset({"--limit"})
+
+
+def renew_options(group: Any, args: Sequence[str]) -> list[str]:
+    """``args`` with every deprecated option of its command renamed, each with a warning on stderr."""
+    out, i = list(args), 0
+    while i < len(out) and out[i].startswith("-"):
+        i += 2 if out[i] in _ROOT_VALUE_OPTIONS else 1
+    path: list[str] = []
+    command = group
+    while i < len(out) and out[i] in (getattr(command, "commands", None) or {}):
+        command = command.commands[out[i]]
+        path.append(out[i])
+        i += 1
+    renamed = DEPRECATED_OPTIONS.get(tuple(path), {})
+    for k in range(i, len(out) if renamed else i):
+        if out[k] == "--":
+            break
+        name, eq, value = out[k].partition("=")
+        if name in renamed:
+            out[k] = renamed[name] + eq + value
+            print_error(f"bufreuse {' '.join(path)} {name} is deprecated; use {renamed[name]}", label="warning")
+    return out
+
+
 class BoundaryGroup(TyperGroup):
     """The root command: usage errors as one ``error:`` line (exit 2), and a last boundary for the rest."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _no_placeholder_for_flags(self)
 
     def main(
         self,
@@ -179,6 +235,7 @@ class BoundaryGroup(TyperGroup):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
+        args = renew_options(self, sys.argv[1:] if args is None else args)
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:

@@ -20,6 +20,17 @@ def advise(
     num_microbatches: Annotated[
         int | None, typer.Option(min=1, help="Microbatches per iteration, for the planner (else from the file).")
     ] = None,
+    global_batch_size: Annotated[
+        int | None,
+        typer.Option(min=1, help="Global batch, for the planner: microbatches = global / (micro x data-parallel)."),
+    ] = None,
+    micro_batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Micro-batch size, for the planner (else from the file).")
+    ] = None,
+    data_parallel_size: Annotated[
+        int | None,
+        typer.Option(min=1, help="Data-parallel size, for the planner (torchrun's world size is not in the file)."),
+    ] = None,
     json_out: Annotated[bool, json_option("the advice")] = False,
     torch_version: Annotated[str | None, torch_version_option()] = None,
 ) -> None:
@@ -39,6 +50,16 @@ def advise(
 
         fields = megatron_fields(load_megatron_file(file))
         check = check_file(file, assume_enabled=True, torch_version=judged).to_dict()
+    overrides = {
+        "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
+        "data_parallel_size": data_parallel_size,
+    }  # fmt: skip
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given and fields is None:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise InputError(f"{flags}: the planner uses this with a Megatron config; pass --args FILE or --config FILE")
+    if given:
+        fields = {**fields, **given}
     result = run(snapshot, fields=fields, check=check, num_microbatches=num_microbatches, torch_version=judged)
     if json_out:
         from bufreuse.analysis.render.export import json_text

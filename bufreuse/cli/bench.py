@@ -35,13 +35,16 @@ def register(app: typer.Typer) -> None:
 def pool(
     device: Annotated[str | None, typer.Option(help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
     tokens: Annotated[
-        int | None, typer.Option(min=1, callback=dim, help="Buffer rows (default 32768 on CUDA, 1024 on CPU).")
+        int | None,
+        typer.Option(
+            "--rows", min=1, callback=dim, help="Buffer rows (default 32768 on CUDA, 1024 on CPU; was --tokens)."
+        ),
     ] = None,
     hidden: Annotated[
         int | None, typer.Option(min=1, callback=dim, help="Buffer columns (default 4096 on CUDA, 1024 on CPU).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="Element type (torch dtype name).")] = "bfloat16",
-    slots: Annotated[int, typer.Option(min=1, help="Ring slots.")] = 4,
+    slots: Annotated[int, typer.Option("--ring-slots", min=1, help="Slots of each ring (was --slots).")] = 4,
     iters: Annotated[int, typer.Option(min=1, max=10_000_000, help="Pairs per timed loop.")] = 20000,
     repeats: Annotated[
         int, typer.Option(min=1, max=1000, help="Interleaved rounds per variant (median reported).")
@@ -103,12 +106,16 @@ def layer(
     experts: Annotated[int | None, typer.Option(help="Experts (overrides the preset).")] = None,
     topk: Annotated[int | None, typer.Option(help="Experts per token (overrides the preset).")] = None,
     tokens: Annotated[int | None, typer.Option(help="Tokens per microbatch (overrides the preset).")] = None,
-    microbatches: Annotated[int, typer.Option(help="Microbatches per schedule.")] = 4,
+    microbatches: Annotated[
+        int, typer.Option("--num-microbatches", help="Microbatches per schedule (was --microbatches).")
+    ] = 4,
     steps: Annotated[int, typer.Option(help="Timed schedules per round (after one untimed).")] = 16,
     rounds: Annotated[
         int, typer.Option(help="Measured rounds per arm, even (A B B A cycles); >= 6 for a verdict.")
     ] = 6,
-    warmup: Annotated[int, typer.Option(help="Warm-up rounds per arm, dropped.")] = 1,
+    warmup: Annotated[
+        int, typer.Option("--warmup-rounds", help="Warm-up rounds per arm, dropped (was --warmup).")
+    ] = 1,
     spec: Annotated[str, typer.Option(help="local (SequentialMLP) or te (TEGroupedMLP, needs TE and CUDA).")] = "local",
     precision: Annotated[str, typer.Option(help="bf16 or fp8 (TE: hybrid format, delayed scaling).")] = "bf16",
     schedule: Annotated[
@@ -121,7 +128,9 @@ def layer(
             "exercised at EP = 1), as-installed (install()'s production rule: no ring at EP x ETP = 1)."
         ),
     ] = "ring",
-    slots: Annotated[int, typer.Option(help="Slots of the dispatch and expert rings.")] = 3,
+    slots: Annotated[
+        int, typer.Option("--ring-slots", help="Slots of the dispatch and expert rings (was --slots).")
+    ] = 3,
     pad: Annotated[
         bool,
         typer.Option(
@@ -155,7 +164,7 @@ def layer(
 ) -> None:
     """A real megatron-core MoELayer: control vs each policy's hooks, per layer call host µs (forward and
     backward), wall ms and GPU ms, rounds in A B B A order, ratios with 95% intervals and verdicts, and the
-    control's drift. Needs megatron-core (pip install 'bufreuse[megatron]')."""
+    control's drift. Needs megatron-core (pip install 'bufreuse\\[megatron]')."""
     check_output_file(output, suffixes=(".json",), mkdir=mkdir, option="--output")
     check_output_file(plot, suffixes=(".png",), mkdir=mkdir, option="--plot")
     from bufreuse.bench.layer_bench import layer_config, run_layer_bench
@@ -213,11 +222,12 @@ def _check_memory(*, device: str | None, tokens: int | None, hidden: int | None,
     """
     from bufreuse import limits
 
-    limits.check("max_ring_slots", slots, what="--slots")
+    limits.check("max_ring_slots", slots, what="--ring-slots")
     cpu = (device or "").startswith("cpu")
     rows, cols = tokens or (1024 if cpu else 32768), hidden or (1024 if cpu else 4096)
     need = (2 * slots + 4) * rows * cols * _ELEMENT_BYTES.get(dtype, 2)
-    limits.check("max_buffer_bytes", need, what="bench pool buffers, bytes ((2 x --slots + 4) x --tokens x --hidden)")
+    what = "bench pool buffers, bytes ((2 x --ring-slots + 4) x --rows x --hidden)"
+    limits.check("max_buffer_bytes", need, what=what)
     if cpu:
         import os
 
@@ -225,7 +235,7 @@ def _check_memory(*, device: str | None, tokens: int | None, hidden: int | None,
         if need > ram // 2:
             raise InputError(
                 f"bench pool on CPU would hold {need / 2**30:,.1f} GiB, more than half of this machine's "
-                f"{ram / 2**30:,.1f} GiB; lower --slots, --tokens or --hidden"
+                f"{ram / 2**30:,.1f} GiB; lower --ring-slots, --rows or --hidden"
             )
 
 

@@ -27,8 +27,9 @@ def compare(
     runs: Annotated[
         list[str],
         typer.Argument(
-            help="Runs to compare, baseline first: labels of the latest sweep (control, feature, slots4, "
-            "stream-ordered), sweep or configuration folders, Megatron run folders or log files, snapshot files."
+            help="Runs to compare, baseline first: labels of the latest sweep (control: the record_stream run; "
+            "feature: every run that is not the control; slots4, stream-ordered: one configuration), sweep or "
+            "configuration folders, Megatron run folders or log files, snapshot files."
         ),
     ],
     root: Annotated[str | None, root_option("Sweeps root for labels")] = None,
@@ -75,7 +76,12 @@ def compare(
         ),
     ] = False,
 ) -> None:
-    """Compare runs against the first one: deltas, noise bands, verdicts, ring-storage explanation."""
+    """Compare runs against the first one: deltas, noise bands, verdicts, ring-storage explanation.
+
+    `compare control feature` compares the latest sweep's control with every other run in it. Verdicts:
+    improvement, parity, regression, inconclusive (the interval straddles the band's edge), or explained (an
+    allocated rise the rings' own storage accounts for). Exit 1 with --fail-on-regression when a metric regresses.
+    """
     from bufreuse.analysis.render.compare_tables import comparison_json, comparison_renderable
     from bufreuse.analysis.render.export import csv_text
     from bufreuse.analysis.runs.compare import compare_specs

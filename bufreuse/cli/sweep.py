@@ -76,13 +76,15 @@ def register(app: typer.Typer) -> None:
         ] = None,
         hidden: Annotated[int | None, _shape(_SHAPE_HELP, "hidden")] = None,
         ffn: Annotated[int | None, _shape("Expert FFN size.", "ffn")] = None,
-        tokens: Annotated[int | None, _shape("Capacity tokens per microbatch.", "tokens")] = None,
+        tokens: Annotated[int | None, _shape("Tokens per microbatch (the capacity).", "tokens")] = None,
         local_experts: Annotated[int | None, _shape("Experts per GPU.", "local_experts")] = None,
         topk: Annotated[int | None, _shape("Copies per token.", "topk")] = None,
         dtype: Annotated[
             str | None, typer.Option(help=f"bf16, fp16 or fp32 (default {_D['dtype']}).", rich_help_panel="Shape")
         ] = None,
-        microbatches: Annotated[int | None, _shape("Microbatches per step.", "microbatches")] = None,
+        microbatches: Annotated[
+            int | None, _shape("Microbatches per step (was --microbatches).", "microbatches", name="--num-microbatches")
+        ] = None,
         steps: Annotated[int | None, _shape("Timed steps (>= 20 advised).", "steps")] = None,
         warmup_steps: Annotated[int | None, _shape("Untimed warm-up steps.", "warmup_steps", lo=0)] = None,
         record_steps: Annotated[
@@ -320,10 +322,11 @@ def _check_conflicts(
         raise InputError(f"--megatron-args applies to --workload megatron only (this sweep runs {workload or 'proxy'})")
 
 
-def _shape(help_text: str, key: str, *, lo: int = 1) -> Any:
+def _shape(help_text: str, key: str, *, lo: int = 1, name: str | None = None) -> Any:
     """A shape option: its default in the help, bounded below by ``lo`` and above by ``--limit max-dim``."""
     return typer.Option(
-        help=f"{help_text.rstrip('.')}; default {_D[key]}.", rich_help_panel="Shape", min=lo, callback=dim
+        *([name] if name else []),
+        help=f"{help_text.rstrip('.')}; default {_D[key]}.", rich_help_panel="Shape", min=lo, callback=dim,
     )
 
 
