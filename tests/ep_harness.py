@@ -603,6 +603,7 @@ def run_case(case: Case, w: World, result: dict) -> None:
                         problems.append(f"{tag} expected EarlyReuseError, the run completed")
                     diffs = compare(tag, "", ref, got) if exact else _within(tag, "", ref, got, bound)
                     report["bit_equal"] = not compare(tag, "", ref, got)
+                    report["compared"] = {"outputs": len(got[0]), "grads": len(got[1]), "param_grads": len(got[2])}
                     report["spread_vs_control"] = spread(ref, got)
                     problems += diffs
                     runs = 2 if sync else 1
@@ -634,6 +635,20 @@ def run_case(case: Case, w: World, result: dict) -> None:
                                     f"{report['syncs']} vs {info['control_syncs']}")  # fmt: skip
 
 
+def arm_rings(case: Case, ep: int, etp: int) -> list[tuple[str, list[str]]]:
+    """``(arm, the rings its install hooks)`` per arm of ``case`` in an ``ep x etp`` world, by the same rule install
+    reads (torch-free: known when the tests are collected, before any world runs). An arm with no ring stands down:
+    it runs the control's code and is no evidence about the rings."""
+    from bufreuse.config import unused_rings
+
+    w = World(ep=ep, etp=etp, rank=0, device="cpu", ep_group=list(range(ep)), tp_ep_group=[0])
+    out = []
+    for arm, knobs in arms(case, w):
+        unused = {_ring(b) for b in unused_rings(_config_view(case, w), knobs, "alltoall")}
+        out.append((arm, sorted(set(RINGS) - unused)))
+    return out
+
+
 def arms(case: Case, w: World) -> list[tuple[str, Any]]:
     """``production``: the knobs production passes (install decides which rings are worth it, by its own rule);
     ``kept``: the same with ``moe_bufreuse_keep_unused_rings`` where that rule leaves a ring unused at EP x ETP > 1:
@@ -650,8 +665,10 @@ def arms(case: Case, w: World) -> list[tuple[str, Any]]:
 
 def _config_view(case: Case, w: World) -> dict[str, Any]:
     """The config fields the unused-ring rule reads, as a flat mapping (``overlap_moe_expert_parallel_comm`` as the
-    flag only: the stages run without megatron's combined-1F1B schedule, ``Case.overlap``)."""
+    flag only: the stages run without megatron's combined-1F1B schedule, ``Case.overlap``); the backend is gloo, as
+    every world here runs (``install`` reads it from the EP group)."""
     return {
+        "distributed_backend": "gloo",
         "num_moe_experts": case.experts,
         "expert_model_parallel_size": w.ep,
         "expert_tensor_parallel_size": w.etp,
@@ -850,12 +867,13 @@ class WorldResult:
     logs: list[str]
     wall_s: float
 
-    def failure(self, name: str) -> str | None:
-        """Why case ``name`` did not pass on every rank, or None."""
+    def failure(self, name: str, arm: str | None = None) -> str | None:
+        """Why case ``name`` did not pass on every rank, or None; with ``arm``, leaving out the other arms' problems
+        (those tagged ``[name/<other arm>/<mode>]``)."""
         reports = self.by_case.get(name)
         if reports is None:
             return f"case {name} not run in this world"
-        lines = []
+        lines: list[str] = []
         stopped = [(c, k) for c, reps in self.by_case.items() for k, r in enumerate(reps) if r and r.get("aborted")]
         for rank, r in enumerate(reports):
             if r is None and stopped:
@@ -864,7 +882,8 @@ class WorldResult:
             elif r is None:
                 lines.append(f"rank {rank}: no report (exit {self.returncodes[rank]}):\n{self.logs[rank][-3000:]}")
             elif r["problems"]:
-                lines += [f"rank {rank}: {p}" for p in r["problems"]]
+                others = [f"[{name}/{a}/" for a in r["info"].get("arms", {}) if a != arm] if arm else []
+                lines += [f"rank {rank}: {p}" for p in r["problems"] if not any(o in p for o in others)]
         return "\n".join(lines) or None
 
 

@@ -1,9 +1,14 @@
 """Expert parallelism on CPU: real megatron-core 0.19.2 at EP = 2, EP = 4 and EP x expert TP = 2 x 2 over gloo.
 
-Each world (2 or 4 processes) runs its cases once (``tests/ep_harness.py``: control twice, then rings installed as
-production installs them, in production and debug mode); each case is one test here. ``BUFREUSE_EP_FULL=1`` adds
-the cross product of orders, local experts, routings, policies and dtypes to every world. The release rule broken
-on purpose (``ep_harness.break_release_rule``) must turn the report red.
+Each world (2 or 4 processes) runs its cases once (``tests/ep_harness.py``: control twice, then each arm installed
+as production installs it, in production and debug mode); each arm of each case is one test here, its id ending in
+the arm: ``-production``, ``-kept`` (``moe_bufreuse_keep_unused_rings``), and ``-stood-down`` where the arm hooks
+no ring at all (install's rule leaves every ring unused there: the arm runs the control's own code, so its
+bit-equality says nothing about the rings and is not counted as evidence). The arms that hook rings are the
+correctness evidence, and every schedule order has some in every world, compared output by output and gradient
+by gradient (``test_every_order_has_ring_evidence_in_every_world``). ``BUFREUSE_EP_FULL=1`` adds the cross
+product of orders, local experts, routings, policies and dtypes to every world. The release rule broken on purpose
+(``ep_harness.break_release_rule``) must turn the report red.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ep_harness import (  # noqa: E402
     Case,
     World,
     WorldResult,
+    arm_rings,
     arms,
     break_cases,
     build_layer,
@@ -58,23 +64,52 @@ def worlds(tmp_path_factory):
     return get
 
 
+ARMS = {(k, c.name): arm_rings(c, *WORLDS[k]) for k, cases in CASES.items() for c in cases}
+"""The arms of each case and the rings each hooks, by install's rule (known before any world runs)."""
+
+
+def _arm_id(key: str, case: Case, arm: str, rings: list[str]) -> str:
+    return f"{key}-{case.name}-{arm}" + ("" if rings else "-stood-down")
+
+
 @pytest.mark.parametrize(
-    ("key", "case"), [pytest.param(k, c, id=f"{k}-{c.name}") for k, cases in CASES.items() for c in cases]
-)
-def test_ep_case_bit_equal_to_control_with_derived_splits_and_releases(worlds, key: str, case: Case) -> None:
+    ("key", "case", "arm", "rings"),
+    [pytest.param(k, c, a, r, id=_arm_id(k, c, a, r)) for k, cases in CASES.items() for c in cases
+     for a, r in ARMS[(k, c.name)]],
+)  # fmt: skip
+def test_ep_arm_bit_equal_to_control_with_derived_splits_and_releases(
+    worlds, key: str, case: Case, arm: str, rings: list[str]
+) -> None:
     result = worlds(key)
-    failure = result.failure(case.name)
+    failure = result.failure(case.name, arm)
     assert failure is None, failure
-    for rep in result.by_case[case.name]:  # positive controls of the report: both rings ran, in both modes
-        both = [arm for arm, modes in rep["info"]["arms"].items() if all(
-            r["hooked_layers"] == 1 and r["rings"] == sorted(RINGS) for r in modes.values())]  # fmt: skip
-        assert both, rep["info"]["arms"]  # production, or where its rule leaves a ring unused, the kept arm
-        for arm, modes in rep["info"]["arms"].items():
-            assert set(modes) == {"production", "debug"}
-            for mode, r in modes.items():
-                assert r["bit_equal"], (arm, mode, r)
-                runs = 2 if case.sync_check else 1  # the steady-state protocol runs each layer twice
-                assert all(r["stats"][n]["acquisitions"] == runs * MICROBATCHES for n in r["rings"]), r["stats"]
+    runs = 2 if case.sync_check else 1  # the steady-state protocol runs each layer twice
+    for rep in result.by_case[case.name]:
+        modes = rep["info"]["arms"][arm]
+        assert set(modes) == {"production", "debug"}
+        for mode, r in modes.items():
+            assert r["rings"] == rings and r["hooked_layers"] == (1 if rings else 0), (arm, mode, r)  # as the id says
+            assert r["bit_equal"] and r["compared"]["outputs"] == MICROBATCHES, (arm, mode, r)
+            assert r["compared"]["grads"] == 2 * MICROBATCHES and r["compared"]["param_grads"] > 0, r["compared"]
+            assert all(r["stats"][n]["acquisitions"] == runs * MICROBATCHES for n in rings), r["stats"]
+            if not rings:  # stood down: nothing of the layer replaced (the control's code ran)
+                assert not [s for s in r["sites"] if not s.startswith("experts.linear_fc2")], r["sites"]
+
+
+def test_every_order_has_ring_evidence_in_every_world() -> None:
+    """The correctness evidence: in every world, every schedule order has a case whose ring-policy arm hooks both
+    rings (``kept`` where production's rule leaves them unused), so both rings' slots are reused across that order's
+    interleaving and compared output by output and gradient by gradient (``test_ep_arm_...``, which also checks the
+    arm ran on them). Stood-down arms are not counted."""
+    from schedule_harness import ORDERS
+
+    for key, cases in CASES.items():
+        covered = {c.order for c in cases if c.policy == "ring" and c.expect == "bit-equal"
+                   for _, rings in ARMS[(key, c.name)] if rings == sorted(RINGS)}  # fmt: skip
+        assert covered == set(ORDERS), (key, set(ORDERS) - covered)
+    stood = [_arm_id(k, c, a, r) for (k, name), arm in ARMS.items() for c in CASES[k] if c.name == name
+             for a, r in arm if not r]  # fmt: skip
+    assert stood and all(i.endswith("-production-stood-down") for i in stood), stood  # only production stands down
 
 
 def _ringed(rep: dict) -> dict:
