@@ -45,6 +45,7 @@ Shims (:func:`apply_shims`), each standing in for a megatron-core 0.19.2 line; o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -106,6 +107,11 @@ class Case:
     sync_check: bool = False
     """Compare each arm's steady state (a layer's second run) and, on the GPU, count its synchronizing CUDA calls
     (sync debug mode)."""
+    streams: bool = False
+    """GPU: each microbatch's forward and backward on its own CUDA stream, which never joins another's, with a delay
+    (``SLOW_MS``) before the experts read the dispatch slot and before the backward that reads what FC1 saved: the
+    next producer of a slot (another microbatch's dispatch, on its own stream) is ordered after the last reader only
+    by the ring's GPU wait (``tests/test_ep_gloo_gpu.py``, the producer-wait mutations). CPU: no effect."""
 
     @property
     def depth(self) -> int:
@@ -327,12 +333,27 @@ def _fp8_context(layer):
     return get_fp8_context(layer.config)
 
 
-def forward(layer, x, rmap, probs):
+SLOW_MS = 50
+"""``Case.streams``: the delay before each slow reader (far above a gloo all-to-all's host round trip)."""
+_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep spins in clock cycles; H100 and H200 run near 2 GHz
+
+
+def _slow() -> None:
+    """A ``SLOW_MS`` delay on the current CUDA stream (``Case.streams``)."""
+    import torch
+
+    torch.cuda._sleep(SLOW_MS * _CYCLES_PER_MS)
+
+
+def forward(layer, x, rmap, probs, slow: bool = False):
     """The layer's stages in ``MoELayer.forward``'s order with the given routing (the router is bypassed so that
-    routing is known exactly; megatron's own ``forward`` calls these same stages)."""
+    routing is known exactly; megatron's own ``forward`` calls these same stages). ``slow``: delay the experts'
+    read of the dispatch output (``Case.streams``)."""
     with _fp8_context(layer):
         h, p = layer.preprocess(x, probs, rmap)
         d, p = layer.dispatch(h, p)
+        if slow:
+            _slow()
         out, _ = layer.routed_experts_compute(d, p)
         return layer.postprocess(layer.combine(out), None)
 
@@ -372,15 +393,23 @@ def run_order(
             seen.append((*splits, [int(v) for v in args[1]], rows[-1]))
 
         hook = layer.experts.register_forward_pre_hook(record)
+    streams = None
+    if case.streams and device.type == "cuda":  # one stream per microbatch, each after the inputs, never joined
+        streams = [torch.cuda.Stream(device) for _ in xs]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream(device))
     try:
         for step in ORDERS[case.order]:
             i = int(step[1:])
-            if step[0] == "F":
-                outs[i] = forward(layer, leaves[i], routes[i][0], probs[i])
-            elif step[0] == "W":
-                layer.backward_dw()  # delayed weight gradients of microbatch i (FIFO)
-            else:
-                outs[i].backward(gouts[i])
+            with torch.cuda.stream(streams[i]) if streams else contextlib.nullcontext():
+                if step[0] == "F":
+                    outs[i] = forward(layer, leaves[i], routes[i][0], probs[i], slow=streams is not None)
+                elif step[0] == "W":
+                    layer.backward_dw()  # delayed weight gradients of microbatch i (FIFO)
+                else:
+                    if streams:
+                        _slow()  # the backward (on this stream: autograd runs it where the forward ran) starts late
+                    outs[i].backward(gouts[i])
     finally:
         if hook is not None:
             hook.remove()

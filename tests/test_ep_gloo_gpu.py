@@ -17,6 +17,13 @@ layer: megatron-core 0.19.2 launches the all-to-alls on the comm stream only ins
 ``get_comm_stream()``, for a whole ``TransformerLayer`` with attention, run by
 ``pipeline_parallel/combined_1f1b.py``); ``MoELayer.dispatch`` / ``combine`` run on the current stream.
 
+The ``ep2-streams`` world (``test_ep_gpu_producer_waits_across_microbatch_streams``) runs each microbatch on its own
+CUDA stream (``Case.streams``), which no other microbatch's stream joins, with a delay before every slow reader of the
+dispatch slot: the next microbatch's dispatch (gloo's copy into the slot) is ordered after the last reader of the slot
+(FC1's weight gradient in the backward, on another stream) only by the ring's GPU wait. Skipping that wait
+(``scripts/mutations.toml``: ``ring-skips-producer-wait``, ``ring-producer-wait-not-enqueued``) makes FC1's weight
+gradient read the next microbatch's tokens: not bit-equal to the control, which runs on the same streams.
+
 Run with ``scripts/gpu-tests.sh`` (``pytest -m gpu``), or just this file: ``pytest -m gpu tests/test_ep_gloo_gpu.py``.
 """
 
@@ -81,7 +88,15 @@ def te_cases(ep: int) -> list[Case]:
     return out
 
 
+def stream_cases(ep: int) -> list[Case]:
+    """One local expert (FC1 saves the dispatch slot itself), bf16, pad-to-capacity (no token-count sync), each
+    microbatch on its own stream: one slot reused every microbatch (``fwd_bwd``) and two slots (``1f1b``)."""
+    return [Case(name=f"l1-streams-{order}", experts=ep, topk=_topk(ep, ep), dtype="bfloat16", order=order,
+                 streams=True) for order in ("fwd_bwd", "1f1b")]  # fmt: skip
+
+
 WORLDS = {"ep2": (2, gpu_cases(2)), "ep4": (4, gpu_cases(4)), "ep2-te": (2, te_cases(2)), "ep4-te": (4, te_cases(4))}
+STREAM_WORLDS = {"ep2-streams": (2, stream_cases(2))}
 _RESULTS: dict[str, WorldResult] = {}
 
 
@@ -109,7 +124,7 @@ def _summary() -> dict:
 def worlds(tmp_path_factory):
     def get(key: str) -> WorldResult:
         if key not in _RESULTS:
-            ep, cases = WORLDS[key]
+            ep, cases = {**WORLDS, **STREAM_WORLDS}[key]
             workdir = Path(tmp_path_factory.mktemp(key))
             _RESULTS[key] = run_world(ep, 1, cases, device="cuda", workdir=workdir, timeout_s=590, sizes=SIZES)
         return _RESULTS[key]
@@ -141,3 +156,22 @@ def test_ep_gpu_case_matches_control_without_extra_syncs(worlds, key: str, case:
                 assert "syncs" in r, (arm, mode)
                 if case.spec != "te":
                     assert r["bit_equal"], (arm, mode, r["spread_vs_control"])
+
+
+@pytest.mark.parametrize(
+    ("key", "case"), [pytest.param(k, c, id=f"{k}-{c.name}") for k, (_, cases) in STREAM_WORLDS.items() for c in cases]
+)
+def test_ep_gpu_producer_waits_across_microbatch_streams(worlds, key: str, case: Case) -> None:
+    """The kept arm (both rings hooked; production's rule stands them down over gloo) on one stream per microbatch:
+    outputs and every gradient bit-equal to the control on the same streams, in production and debug mode, and the
+    dispatch ring's producers waited on the GPU (``gpu_waits``) for every slot reused across streams."""
+    result = worlds(key)
+    failure = result.failure(case.name)
+    assert failure is None, failure
+    for rep in result.by_case[case.name]:
+        modes = rep["info"]["arms"]["kept"]
+        assert set(modes) == {"production", "debug"}
+        for mode, r in modes.items():
+            assert r["rings"] == sorted(RINGS) and r["bit_equal"], (mode, r.get("spread_vs_control"))
+            dispatch = r["stats"]["dispatch_output"]
+            assert dispatch["deferred_releases"] == 4 and dispatch["gpu_waits"] >= 4 - case.depth, dispatch
