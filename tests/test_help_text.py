@@ -129,3 +129,17 @@ def test_advise_planner_flags_without_a_config_are_one_line_and_exit_2() -> None
 
 def test_compare_help_says_what_feature_means() -> None:
     assert "feature: every run that is not the control" in " ".join(_help(("compare",)).split())
+
+
+def test_bufreuse_megatron_help_explains_the_wrapper_and_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from bufreuse.config import add_arguments
+    from bufreuse.integrations.entry import main
+
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    knobs = [a.option_strings[0] for a in add_arguments(argparse.ArgumentParser())._actions if a.option_strings]
+    assert len(text.splitlines()) > 10, text  # more than the one usage line
+    assert "--megatron-lm PATH" in text and "goes to the script unchanged" in " ".join(text.split()), text
+    assert len(knobs) > 5 and [k for k in knobs if k not in text] == [], text  # every knob is listed

@@ -40,7 +40,7 @@ from bufreuse.errors import BufreuseError, ConfigError, InputError, exit_code_fo
 from bufreuse.integrations.preflight import flag_value, hybridep_preflight
 from bufreuse.integrations.requirements import validate
 
-__all__ = ["Session", "locate_script", "main"]
+__all__ = ["Session", "help_text", "locate_script", "main"]
 
 USAGE = (
     "usage: bufreuse-megatron [--megatron-lm PATH] [--pretrain-script NAME] <Megatron-LM pretrain arguments> "
@@ -303,11 +303,38 @@ def run(argv: list[str]) -> None:
         session.close()
 
 
+def help_text() -> str:
+    """``--help``: what the wrapper does, its own options and the knobs it adds (from ``config.add_arguments``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="bufreuse-megatron",
+        usage=USAGE.removeprefix("usage: "),
+        description="Run Megatron-LM's pretraining script with bufreuse's buffer rings: every argument that is not "
+        "one of the options below goes to the script unchanged; the model is validated and hooked before "
+        "training, and restored when the script returns. A configuration the rings cannot serve stops before "
+        "training with one error naming every unmet requirement (exit 2).",
+        epilog="Example: MEGATRON_LM_PATH=~/Megatron-LM bufreuse-megatron \"${PRETRAIN_ARGS[@]}\" "
+        "--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2. "
+        "Which slot counts your schedule needs: bufreuse plan ARGS_FILE; whether the rings pay: bufreuse advise "
+        "SNAPSHOT. Details: docs/megatron.md.",
+        add_help=False,
+    )
+    own = parser.add_argument_group("wrapper")
+    own.add_argument("--megatron-lm", metavar="PATH", help="Megatron-LM checkout holding the script (or "
+                     "$MEGATRON_LM_PATH); megatron-core's wheel does not ship it.")  # fmt: skip
+    own.add_argument("--pretrain-script", metavar="NAME", help="The script in that checkout (default "
+                     "pretrain_gpt.py).")  # fmt: skip
+    own.add_argument("-h", "--help", action="store_true", help="Show this message and exit.")
+    add_arguments(parser)
+    return parser.format_help()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry; prints one error line and returns its exit code on bad input."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]) and not any(a.startswith("--megatron-lm") for a in argv):
-        print(USAGE)
+        print(help_text(), end="")
         return 0
     try:
         run(argv)
