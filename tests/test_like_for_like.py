@@ -179,3 +179,24 @@ def test_same_cluster_same_software_no_caveat(tmp_path: Path) -> None:
     _, data = _compare(str(CLUSTER_A), str(copy))
     comp = data["comparisons"][0]
     assert comp["node_sets"] == "same" and comp["comparability"] == [] and comp["span"] is None
+
+
+def test_sweep_runs_on_other_software_are_stated(tmp_path: Path) -> None:
+    """A sweep's metrics.json env names torch and CUDA: two configurations recorded on different torch say so."""
+    import shutil
+
+    sweep = Path(__file__).resolve().parents[1] / "examples" / "sweep-h200"
+    for cid in ("slots0", "slots4"):
+        shutil.copytree(sweep / cid, tmp_path / cid)
+    f = tmp_path / "slots4" / "metrics.json"
+    metrics = json.loads(f.read_text())
+    torch_then = json.loads((sweep / "slots0" / "metrics.json").read_text())["env"]["torch"]
+    metrics["env"]["torch"] = "2.13.0+cu130"
+    f.write_text(json.dumps(metrics))
+    _, data = _compare(str(tmp_path / "slots0"), str(tmp_path / "slots4"))
+    comp = data["comparisons"][0]
+    assert f"software differs: torch {torch_then} in slots0, 2.13.0+cu130 in slots4" in comp["comparability"]
+    assert data["runs"]["slots4"]["software"]["torch"] == "2.13.0+cu130"
+    assert all(m["verdict"] != "improvement" for m in comp["metrics"] if m["metric"].startswith(("tflops", "step")))
+    _, same = _compare(str(sweep / "slots0"), str(sweep / "slots4"))  # control: one torch, nothing stated
+    assert not any("software" in c for c in same["comparisons"][0]["comparability"])

@@ -151,6 +151,7 @@ def _from_config(paths: ConfigPaths, label: str, *, required: bool = True, named
     if run.ring_slot_bytes:
         run.slot_bytes_source = "metrics.json"
     env = _mapping(metrics, "env", paths)
+    run.software = {key: str(env[key])[:100] for key in ("torch", "cuda") if isinstance(env.get(key), str) and env[key]}
     run.job_id = str(env["slurm_job_id"]) if env.get("slurm_job_id") else None
     run.nodes = _nodes(env.get("slurm_nodelist"), run.warnings) or _job_nodes(paths.job, run)
     if run.nodes is None and env.get("hostname") and (_int(env.get("world_size")) or 1) <= 1:
