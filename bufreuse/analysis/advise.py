@@ -183,8 +183,8 @@ def _join(
     if adv.oom_events:
         adv.caveats.append(
             f"the run ran out of memory ({adv.oom_events} out-of-memory event{'s' if adv.oom_events > 1 else ''} in "
-            "the trace): its max reserved and max active are lower bounds, and the trace stops where it died, so "
-            "what a full step would hold is not in it"
+            "the trace): its max reserved and max active are lower bounds (the allocation that failed is in neither), "
+            "and what the trace holds from there on is not what a full step holds"
         )
     unread = _frameless_text(adv.frameless)
     wanted = sorted({CATEGORY_BUFFER[s["category"]] for s in moe}, key=list(BUFFERS).index)
@@ -226,8 +226,8 @@ def _join(
     if not moe and adv.oom_events:
         adv.verdict = (
             "cannot tell: no MoE buffer waits in the pending-free queue at the max-active point of what ran, but the "
-            "run died of out-of-memory, possibly before its MoE layers ran a full step (record a run that finishes, "
-            "e.g. with a smaller batch)"
+            "run hit an out-of-memory error, possibly before its MoE layers ran a full step (record a run that "
+            "finishes, e.g. with a smaller batch)"
         )
         return adv
     if not moe:
@@ -367,8 +367,8 @@ def _verdict(adv: Advice) -> None:
     elif adv.oom_events:
         adv.verdict = (
             f"cannot tell: {mib:,.0f} MiB of MoE buffers wait pending-free, and what-if predicts {-saved:+,.0f} MiB "
-            f"max reserved ({change:+.1%}) at {at['slots']} slot(s), but only over the part of the run before it died "
-            "of out-of-memory"
+            f"max reserved ({change:+.1%}) at {at['slots']} slot(s), but only over a run that hit an out-of-memory "
+            "error (its peaks are lower bounds)"
         )
     else:
         adv.verdict = (
