@@ -239,7 +239,7 @@ def _run_case(session: Session, case: Case) -> None:
     COMPILED.add(case.kernels())
     real_d = _timed(seconds, "dispatch", lambda: buf.dispatch_with_permute(hidden=x, **fwd_kw))
     fake_d = fake.dispatch_with_permute(hidden=x.cpu(), **_cpu(fwd_kw))
-    rec["dispatch"], b = compare_dispatch(real_d, fake_d)
+    rec["dispatch"], b = compare_dispatch(real_d, fake_d, budget=npt is not None)
     bad += [f"dispatch: {m}" for m in b]
     _save()
     kept = (fake_d[4][0] >= 0).any(1)  # tokens with at least one kept (token, expert) row in the fake
@@ -278,7 +278,9 @@ def _run_case(session: Session, case: Case) -> None:
     fake_rd = redispatch(fake, fake_d, x.cpu())
     rec["combine_backward_returned_tokens_per_expert"] = {"real": describe(real_rd[3]), "fake": describe(fake_rd[3])}
     # the handle path returns no counts of its own use: lay both out with their forward's counts
-    f, b = compare_dispatch((*real_rd[:3], real_d[3], real_rd[4]), (*fake_rd[:3], fake_d[3], fake_rd[4]))
+    f, b = compare_dispatch(
+        (*real_rd[:3], real_d[3], real_rd[4]), (*fake_rd[:3], fake_d[3], fake_rd[4]), budget=npt is not None
+    )
     rec["combine_backward"] = {k: f[k] for k in ("rows", "per_expert") if k in f}
     bad += [f"combine backward: {m}" for m in b]
     _save()
