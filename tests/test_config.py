@@ -88,7 +88,6 @@ BREAKERS = {
     "static_bound": (_hybridep_cfg, {"moe_expert_rank_capacity_factor": None}),
     "ep_overlap": (_hybridep_cfg, {"overlap_moe_expert_parallel_comm": False}),
     "quantized_experts": (_hybridep_cfg, {"fp8": None}),
-    "te_op_fuser": (_hybridep_cfg, {"use_transformer_engine_op_fuser": False}),
     "grouped_gemm": (_hybridep_cfg, {"moe_grouped_gemm": False}),
     "no_fused_group_mlp_offload": (
         _hybridep_cfg,
@@ -326,9 +325,9 @@ def test_validate_on_megatron_core_016_field_set() -> None:
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["file"].startswith(str(MC016))
     assert res["missing"] == ["moe_expert_rank_capacity_factor", "use_transformer_engine_op_fuser"]
-    # pad-to-capacity gives the static bound on 0.16; the op-fuser row cannot be met there
-    assert [u[:2] for u in res["unmet"]] == [["te_op_fuser", "expert"]]
-    assert "cannot be met on this megatron-core" in res["unmet"][0][2]
+    # pad-to-capacity gives the static bound on 0.16, and the expert ring takes the module route (GroupedLinear
+    # out=) there, as on Hopper: nothing is unmet although the op-fuser field does not exist
+    assert res["unmet"] == []
     assert res["rows"] == 64 * 2 * 4  # capacity ceil(256 x 2 / 8 x 1.0) = 64, x EP 2 x 4 local experts
 
 
@@ -351,8 +350,6 @@ def test_every_rule_on_megatron_core_016_field_set() -> None:
     cases = []
     for rule, (factory, fields) in BREAKERS.items():
         path = "hybridep" if factory is _hybridep_cfg else "alltoall"
-        if rule == "te_op_fuser":
-            continue  # the field does not exist on 0.16: asserted unmeetable in the test above
         if rule == "static_bound":
             fields = {"moe_pad_expert_input_to_capacity": False}
         both = path == "alltoall" or rule == "grouped_gemm"
@@ -397,8 +394,6 @@ def test_every_rule_on_megatron_core_016_field_set() -> None:
     got = json.loads(res.stdout.strip().splitlines()[-1])
     for case, unmet in zip(cases, got, strict=True):
         expected = {case["rule"]} - {None}
-        if case["both"] and case["path"] == "hybridep":
-            expected.add("te_op_fuser")  # expert reuse on HybridEP cannot be met on 0.16
         assert set(unmet) == expected, (case, unmet)
 
 

@@ -23,7 +23,6 @@ KEY_ORDER = [
     "ep_overlap",
     "quantized_experts",
     "deepep_output_token",
-    "te_op_fuser",
     "grouped_gemm",
     "te_grouped_output",
     "no_fused_group_mlp_offload",
