@@ -164,7 +164,9 @@ def _render(file: Path, data: dict) -> None:
         console.print("[dim]memory columns need the tokens per microbatch (--seq-length, --micro-batch-size)[/]")
     console.print(
         "[dim]ring memory = minimum x slot bytes (one ring per buffer, shared by the rank's model chunks); "
-        "control pending = bound-sized buffers the record-stream control holds pending-free at its max-active point[/]"
+        "control pending = modelled: the bound-sized buffers the record-stream control holds pending-free at its "
+        "max-active point if the GPU trails the host by --lag-steps steps, an upper bound where it trails by less "
+        "(docs/benchmarks.md); snapshot-report on a control snapshot measures it[/]"
     )
     console.print("[dim]assumptions: " + "; ".join(data["assumptions"]) + "[/]")
 
