@@ -275,6 +275,8 @@ def combine(jsonl: Path) -> int:
     """Per arm (the snapshot's folder), combined over its ranks' ``snapshot-report --json`` lines: each rank's max
     reserved and their sum (the ranks share one GPU), MoE and all pending-free at each rank's max active, and the
     largest pending-free anywhere in any rank's trace."""
+    from bufreuse.analysis.snapshot.sites import RING_CATEGORIES  # torch-free: what a ring replaces
+
     arms: dict[str, list[dict]] = {}
     for line in jsonl.read_text().splitlines():
         if line.strip():
@@ -288,7 +290,8 @@ def combine(jsonl: Path) -> int:
     for arm, ds in sorted(arms.items()):
         ds.sort(key=lambda d: d["file"])
         each = "/".join(f"{d['max_reserved_bytes'] / 2**20:,.0f}" for d in ds)
-        moe = sum(sum(v for k, v in d["pending_free_by_category_at_max_active"].items() if k != "other") for d in ds)
+        moe = sum(sum(v for k, v in d["pending_free_by_category_at_max_active"].items() if k in RING_CATEGORIES)
+                  for d in ds)  # fmt: skip
         pend = sum(d["pending_free_at_max_active_bytes"] for d in ds)
         peak = max(d["max_pending_free_bytes"] for d in ds)
         total = sum(d["max_reserved_bytes"] for d in ds)

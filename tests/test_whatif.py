@@ -180,9 +180,9 @@ def test_table_and_plot_show_the_predictions(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _pending_trace(tmp_path: Path) -> Path:
+def _pending_trace(tmp_path: Path, disp: list | None = None) -> Path:
     """Two 64 MiB outputs per step on stream 1, freed with record_stream (completion two steps later)."""
-    disp = [frame("/work/megatron/core/transformer/moe/token_dispatcher.py", "dispatch", 5)]
+    disp = disp or [frame("/work/megatron/core/transformer/moe/token_dispatcher.py", "dispatch", 5)]
     trace, addr = [], 1 << 40
     for step in range(6):
         a = addr + step * 64 * MiB
@@ -208,6 +208,29 @@ def test_pending_blocks_are_never_reused_and_a_ring_removes_them(tmp_path: Path)
     assert control.max_reserved == 3 * 64 * MiB and control.segments_allocated == 3
     assert ring.max_reserved == 64 * MiB and ring.ring_bytes == 64 * MiB
     assert r.measured_max_reserved == 6 * 64 * MiB
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [frame("/site/deep_ep/hybrid_ep_buffer.py", "combine_with_unpermute"), frame("/site/fused_a2a.py", "forward")],
+        [frame("/site/deep_ep/hybrid_ep_buffer.py", "dispatch_with_permute"), frame("/site/fused_a2a.py", "backward")],
+        [frame("/site/transformer_engine/pytorch/module/grouped_linear.py", "backward")],
+    ],
+    ids=["combine-output", "backward-dispatch", "grouped-linear-dgrad"],
+)
+def test_moe_memory_no_ring_replaces_is_never_a_ring(tmp_path: Path, frames: list) -> None:
+    """The same pending queue as above, allocated where no ring takes it (moe_other): what-if models no ring
+    for it and says so, instead of predicting a saving the rings cannot deliver."""
+    path = _pending_trace(tmp_path, frames)
+    assert report_file(path)["pending_free_by_category_at_max_active"]["moe_other"] > 0
+    res = runner.invoke(app, ["what-if", str(path), "--slots", "1"])
+    assert res.exit_code == 2 and "no allocation in the trace matches" in res.output, res.output
+    assert "dispatch_output, expert_output" in res.output
+    # positive control: the dispatch frames of the test above do make a ring (what-if runs)
+    (tmp_path / "d").mkdir()
+    ok = runner.invoke(app, ["what-if", str(_pending_trace(tmp_path / "d")), "--slots", "1"])
+    assert ok.exit_code == 0, ok.output
 
 
 def test_forked_replays_equal_inline_ones_h200(monkeypatch: pytest.MonkeyPatch) -> None:

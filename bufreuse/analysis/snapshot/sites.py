@@ -102,6 +102,15 @@ class SiteRules:
     def category_names(self) -> list[str]:
         return [name for name, _, _ in self._cats]
 
+    @property
+    def ring_category_names(self) -> list[str]:
+        """The categories a ring can take: user rules, then ``dispatch_output`` and ``expert_output``.
+
+        What ``what-if`` and ``advise`` model as rings by default; ``moe_other`` (gradients, combine outputs)
+        is reported, never ringed.
+        """
+        return [name for name, _, user in self._cats if user or name in RING_CATEGORIES]
+
     def user_frame(self, f: Any) -> tuple[str, str, str] | None:
         """``(path, line, name)`` of a frame that can be a site (a user Python frame), else None."""
         if not isinstance(f, dict):

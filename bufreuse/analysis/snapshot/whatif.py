@@ -213,7 +213,7 @@ def what_if_data(
         control = run.submit(np.zeros(0, dtype=np.int64), [], 0)  # N = 0 needs no sites: starts first
         ring_of, rings = classify_allocs(t, ops, rules, patterns)
         if not rings:
-            wanted = ", ".join(n for n, _ in patterns) if patterns else ", ".join(rules.category_names)
+            wanted = ", ".join(n for n, _ in patterns) if patterns else ", ".join(rules.ring_category_names)
             raise InputError(
                 f"{data.path}: no allocation in the trace matches the sites ({wanted}); see snapshot-report"
             )

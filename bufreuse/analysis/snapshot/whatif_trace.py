@@ -171,7 +171,8 @@ def classify_allocs(
     expert_output) is a ring. Categories are decided per frame line, which is what ``re.search``
     on the joined stack does for patterns that do not span lines.
     """
-    names = [n for n, _ in patterns] if patterns else rules.category_names
+    names = [n for n, _ in patterns] if patterns else rules.ring_category_names
+    users = len(rules.categories)  # user rules come first in ``names`` and win over moe_other, as in category()
     site_of, cat_of = _frame_caches(rules, names)
     allocs = np.flatnonzero(t.action == ALLOC).tolist()
     group = np.full(len(t), -1, dtype=np.int64)
@@ -191,9 +192,10 @@ def classify_allocs(
             if g is None:
                 g = site_match[site] = next((j for j, (_, rx) in enumerate(patterns) if rx.search(site)), -1)
         else:
-            g = min(map(cat_of, frames))
-            if g >= len(names):
-                continue
+            cats = list(map(cat_of, frames))
+            g = min((c for c in cats if c >= 0), default=len(names))
+            if g >= len(names) or (EXCLUDED in cats and g >= users):
+                continue  # no ring's block, or MoE memory no ring replaces (moe_other) and no user rule's
             site = _site(frames, site_of, k)
         if g >= 0:
             group[i] = g
@@ -267,8 +269,13 @@ def _plain(v: Any) -> Any:
     return v if v is None or type(v) in (str, int, float, bool) else f"<{type(v).__name__}>"
 
 
+EXCLUDED = -1
+"""A frame whose category is a built-in that no ring takes (``moe_other``): its block is no ring's."""
+
+
 def _frame_caches(rules: SiteRules, names: list[str]) -> tuple[Callable[[Any], str | None], Callable[[Any], int]]:
-    """Per-frame lookups: its site (None for a skipped frame) and its category's index (len: none)."""
+    """Per-frame lookups: its site (None for a skipped frame) and its category's index (len: none;
+    ``EXCLUDED``: a category no ring takes)."""
     single = SiteRules(site_skip=tuple(rules.site_skip), categories=rules.categories)
     index = {n: j for j, n in enumerate(names)}
     none = len(names)
@@ -281,7 +288,8 @@ def _frame_caches(rules: SiteRules, names: list[str]) -> tuple[Callable[[Any], s
         hit = by_text.get(key)
         if hit is None:
             s = single.site([f]) if isinstance(f, dict) else UNKNOWN_SITE
-            c = index.get(single.category([f]), none) if isinstance(f, dict) else none
+            cat = single.category([f]) if isinstance(f, dict) else "other"
+            c = index.get(cat, EXCLUDED if cat in single.category_names and cat != "other" else none)
             hit = by_text[key] = (None if s == UNKNOWN_SITE else s, c)
         by_id_site[id(f)], by_id_cat[id(f)] = hit
 
