@@ -75,7 +75,7 @@ class _CpuZeros(types.SimpleNamespace):
         return torch.zeros(*args, **kwargs)
 
 
-def _layer(monkeypatch, fp8: str | None = "e4m3", fused: bool = True, **bound: object):
+def _layer(monkeypatch, fp8: str | None = "e4m3", fused: bool = True, sequential: bool = False, **bound: object):
     """A flex/HybridEP ``MoELayer`` with ``TEGroupedMLP`` experts: the op fuser (sm100) or, ``fused=False``, the
     unfused module whose FC2 is megatron's ``TEGroupedLinear`` over TE's ``GroupedLinear(out=)`` (Hopper)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -103,6 +103,9 @@ def _layer(monkeypatch, fp8: str | None = "e4m3", fused: bool = True, **bound: o
     with monkeypatch.context() as m:
         m.setattr(td, "torch", _CpuZeros())
         layer = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp(config=cfg)
+    if sequential:  # the local spec's SequentialMLP experts, as built
+        cfg.fp8 = fp8
+        return layer
     cfg.use_transformer_engine_op_fuser = False  # TEGroupedMLP asserts TE's fused ops exist when True
     linear = te.MegatronGroupedLinear if fused else te.MegatronTEGroupedLinear
     subs = GroupedMLPSubmodules(linear_fc1=linear, linear_fc2=linear)
@@ -254,9 +257,7 @@ def test_unfused_te_grouped_mlp_writes_fc2_into_the_ring_and_matches_control(
     received = [o for o in fc2.received_out if o is not None]  # TE got out= on every forward, FC1 never
     assert len(received) == 3 and all(pool.is_ring_storage(o) for o in received)
     assert not any(o is not None for o in layer.experts.linear_fc1.received_out)
-    assert received[0].data_ptr() != received[1].data_ptr() == received[2].data_ptr() or (
-        received[2].data_ptr() == received[0].data_ptr()
-    )
+    assert received[0].data_ptr() != received[1].data_ptr() and received[2].data_ptr() == received[0].data_ptr()
     stats, poisoned = pool.stats(), 2 if debug else 0
     for name in ("dispatch_output", "expert_fc2_output"):
         assert stats[name].acquisitions - poisoned == stats[name].releases - poisoned == 3
@@ -281,6 +282,15 @@ def test_unfused_fc2_slot_is_held_until_hybridep_combine(hybridep, monkeypatch) 
         y = layer.combine(out)
         assert (held("dispatch_output"), held("expert_fc2_output")) == (0, 0)
         layer.postprocess(y, None).sum().backward()
+
+
+def test_expert_ring_on_hybridep_with_sequential_experts_is_refused_in_one_line(hybridep, monkeypatch) -> None:
+    layer = _layer(monkeypatch, sequential=True)
+    assert type(layer.experts).__name__ == "SequentialMLP"
+    knobs = BufReuseConfig(moe_hybridep_num_expert_output_buffers=2)
+    with pytest.raises(ConfigError, match="needs TEGroupedMLP experts") as err:
+        install(layer, BufferPool("cpu"), knobs, tokens=TOKENS)
+    assert "\n" not in str(err.value).strip() and "forward" not in vars(layer.experts)
 
 
 def test_slots_released_at_final_consumers(hybridep, monkeypatch) -> None:

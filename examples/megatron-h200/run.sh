@@ -205,8 +205,10 @@ run() {  # name iters timeout_s shape extra args...: shape is TINY or GB
       CUDA_DEVICE_MAX_CONNECTIONS=32 python3 "$repo/scripts/rank_snapshots.py" --out "$snapshots")
   fi
   # hep-*: what DeepEP's HybridEP kernels need on one shared GPU (see the header)
+  local lib=${HEP_LIBSTDCXX:-/usr/lib/x86_64-linux-gnu/libstdc++.so.6}
   [[ ${RUN_BASE:-$name} == hep-* ]] && launch=(env USE_MNNVL=0
-    LD_PRELOAD=${HEP_LIBSTDCXX:-/usr/lib/x86_64-linux-gnu/libstdc++.so.6}${LD_PRELOAD:+:$LD_PRELOAD} "${launch[@]}")
+    "LD_PRELOAD=$([[ ${LD_PRELOAD:-} == *"$lib"* ]] && echo "$LD_PRELOAD" || echo "$lib${LD_PRELOAD:+:$LD_PRELOAD}")"
+    "${launch[@]}")
   # LAUNCHER=python: one process, torchrun's environment set by hand (saves torchrun's own start-up)
   [ "${LAUNCHER:-torchrun}" = python ] && launch=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 python3)

@@ -159,8 +159,8 @@ class HybridEPAdapter:
         import torch
         from megatron.core.transformer.moe import fused_a2a
 
-        if "dispatch" not in installation.knobs.enabled():
-            return
+        if not installation.hooks(self.name, layer, "dispatch"):
+            return  # the one gate track_fc2_stage also reads: the experts stage is wrapped here iff this hooks
         cfg = installation.config_of(layer)  # the EP / expert-TP sizes the dispatcher really uses
         bounds = static_bounds(cfg, installation.knobs, path="hybridep", tokens=installation.tokens)
         installation.register("dispatch", bounds["dispatch"], getattr(layer.config, "params_dtype", torch.float32), cfg)

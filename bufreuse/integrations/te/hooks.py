@@ -75,7 +75,7 @@ ROWS: tuple[Requirement, ...] = (
 
 
 class TEGroupedAdapter:
-    """Hooks the expert FC2 output of a ``TEGroupedMLP`` (HybridEP: op fuser; all-to-all: op fuser or module)."""
+    """Hooks the FC2 output of a ``TEGroupedMLP`` on either path: the op fuser where megatron fuses, else the module."""
 
     name = "te"
     path = "hybridep"
@@ -109,9 +109,15 @@ class TEGroupedAdapter:
                     "output is not the layer's: set moe_router_padding_for_quantization=True"
                 ]
             return []
-        if out_route_class(type(experts.linear_fc2)) is None:
+        fc2 = getattr(experts, "linear_fc2", None)
+        if fc2 is None:  # HybridEP layers with SequentialMLP (or other) experts: no grouped FC2 to write into
             return [
-                f"expert-output reuse needs {type(experts.linear_fc2).__name__} to be a TE GroupedLinear "
+                f"expert-output reuse on HybridEP needs TEGroupedMLP experts (found {type(experts).__name__}): "
+                "set moe_grouped_gemm=True with transformer_impl='transformer_engine'"
+            ]
+        if out_route_class(type(fc2)) is None:
+            return [
+                f"expert-output reuse needs {type(fc2).__name__} to be a TE GroupedLinear "
                 "whose forward takes out= (TE >= 2.18)"
             ]
         return []
