@@ -314,7 +314,7 @@ def help_text() -> str:
         "one of the options below goes to the script unchanged; the model is validated and hooked before "
         "training, and restored when the script returns. A configuration the rings cannot serve stops before "
         "training with one error naming every unmet requirement (exit 2).",
-        epilog="Example: MEGATRON_LM_PATH=~/Megatron-LM bufreuse-megatron \"${PRETRAIN_ARGS[@]}\" "
+        epilog='Example: MEGATRON_LM_PATH=~/Megatron-LM bufreuse-megatron "${PRETRAIN_ARGS[@]}" '
         "--moe-hybridep-reuse-dispatch-output-buffers --moe-hybridep-num-dispatch-output-buffers 2. "
         "Which slot counts your schedule needs: bufreuse plan ARGS_FILE; whether the rings pay: bufreuse advise "
         "SNAPSHOT. Details: docs/megatron.md.",
