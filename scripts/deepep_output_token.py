@@ -70,12 +70,12 @@ def edit_python(text: str) -> str:
 
 def edit_binding(text: str) -> str:
     where = "csrc/hybrid_ep/pybind_hybrid_ep.cu"
-    m = _once(r'\.def\("dispatch_with_permute".*?py::arg\("with_probs"\) = false', text, where)
+    m = _once(r'\.def\("dispatch_with_permute"(?:(?!\.def\().)*?py::arg\("with_probs"\) = false', text, where)
     return _insert(text, m.end(), f',\n             py::arg("output_token") = c10::nullopt  // {MARK}\n            ')
 
 
 def _extend_params(text: str, where: str, head: str) -> str:
-    m = _once(head + r"\((.*?)bool with_probs\)", text, where)
+    m = _once(head + r"\(([^)]*?)bool with_probs\)", text, where)  # within the one parameter list
     return _insert(text, m.end() - 1, f",\n            c10::optional<torch::Tensor> output_token /* {MARK} */")
 
 
@@ -87,10 +87,14 @@ def edit_source(text: str) -> str:
     where = "csrc/hybrid_ep/hybrid_ep.cu"
     text = _extend_params(text, where, r"HybridEPBuffer::dispatch_with_permute")
     body = _once(r"HybridEPBuffer::dispatch_with_permute\(", text, where).end()
+    close = re.search(r"\n}\n", text[body:])  # the function's closing brace: the first at column 0
+    if close is None:
+        raise AnchorError(f"{where}: no closing brace after dispatch_with_permute")
+    end = close.end()
     alloc = _once(
         r"\n( *args\.local_expert_output_token *=\s*torch::empty\(\{handle\.num_permuted_tokens, "
         r"config\.hidden_dim\}[^;]*;)\n",
-        text[body:],
+        text[body : body + end],
         where + " output allocation",
     )
     start, end = body + alloc.start(1), body + alloc.end(1)
