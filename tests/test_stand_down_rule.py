@@ -196,8 +196,9 @@ def test_an_enabled_ring_that_stands_down_warns_once_with_its_reason(parallel, m
 # EP 2 all-to-all (4 local experts: the sort copies both buffers), 1F1B over 4 microbatches, 2 MoE layers; torch >= 2.8
 # NCCL: both rings stand down. The keep knob is the twin where both are used.
 PLAN_FIELDS = {
-    "moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2, "expert_model_parallel_size": 2,
-    "num_layers": 2, "hidden_size": 64, "seq_length": 16, "micro_batch_size": 1, "num_microbatches": 4, "bf16": True,
+    "moe_token_dispatcher_type": "alltoall", "num_moe_experts": 8, "moe_router_topk": 2,
+    "expert_model_parallel_size": 2, "num_layers": 2, "hidden_size": 64, "seq_length": 16, "micro_batch_size": 1,
+    "num_microbatches": 4, "bf16": True,
     "moe_hybridep_reuse_dispatch_output_buffers": True, "moe_hybridep_num_dispatch_output_buffers": 4,
     "moe_hybridep_num_expert_output_buffers": 4,
 }  # fmt: skip
