@@ -101,6 +101,7 @@ def test_report_groups_pending_free_by_site_size_stream() -> None:
     }
     assert groups[1]["category"] == "expert_output" and groups[1]["count"] == 1
     assert rep["pending_free_by_category_at_max_active"] == {
+        "moe_other": 0,  # MoE memory no ring replaces (gradients, combine outputs): none in this trace
         "dispatch_output": 24 * MiB,
         "expert_output": 4 * MiB,
         "other": 0,
