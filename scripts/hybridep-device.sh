@@ -175,9 +175,7 @@ EOF
   tail -3 "$log"
 }
 
-kernels() {  # the real-kernel tests (world sizes 1 and 2, with the output_token edit); logs under $OUT
-  device_env >/dev/null
-  kernel_env
+test_env() {  # the staged megatron-core wheel, this checkout and DeepEP on PYTHONPATH; a missing DeepEP fails tests
   mkdir -p /tmp/site-deepep-mc
   if compgen -G "$STAGE/whl/*.whl" >/dev/null && [ ! -d /tmp/site-deepep-mc/megatron ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-deepep-mc \
@@ -185,6 +183,12 @@ kernels() {  # the real-kernel tests (world sizes 1 and 2, with the output_token
   fi
   export PYTHONPATH=$REPO:$SITE:/tmp/site-deepep-mc${PYTHONPATH:+:$PYTHONPATH}
   export BUFREUSE_REQUIRE_DEEPEP=1 OUT
+}
+
+kernels() {  # the real-kernel tests (world sizes 1 and 2, with the output_token edit); logs under $OUT
+  device_env >/dev/null
+  kernel_env
+  test_env
   timeout -k 10 "${KERNELS_TIMEOUT:-300}" python3 -m pytest tests/test_hybridep_output_token_gpu.py \
     tests/test_hybridep_real_gpu.py -m gpu -v -p no:cacheprovider -o addopts="-ra --strict-markers" \
     >"$OUT/hybridep-kernels.log" 2>&1
@@ -211,13 +215,7 @@ run() {
   set -a; source "$OUT/hybridep-probe.env"; set +a
   device_env >/dev/null
   kernel_env
-  mkdir -p /tmp/site-deepep-mc
-  if compgen -G "$STAGE/whl/*.whl" >/dev/null && [ ! -d /tmp/site-deepep-mc/megatron ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-deepep-mc \
-      "$STAGE"/whl/*.whl >>"$OUT/hybridep-build.log" 2>&1 || echo "hybridep: megatron-core wheel did not install"
-  fi
-  export PYTHONPATH=$REPO:$SITE:/tmp/site-deepep-mc${PYTHONPATH:+:$PYTHONPATH}
-  export BUFREUSE_REQUIRE_DEEPEP=1 OUT
+  test_env
   # The test gets what the build left; it skips cases that no longer fit (each new kernel variant is one nvcc JIT
   # compile) before the hard limit.
   local RUN_TIMEOUT=$(( TOTAL_TIMEOUT - (SECONDS - t_start) ))
